@@ -1,0 +1,172 @@
+"""Point-to-point and collective communication between stages, over mpi4py.
+
+Tensors cross ranks as raw bytes of a shape and dtype the receiver already
+knows (only the batch dimension is read from the message size); nothing a
+peer sends is ever unpickled. Sends are non-blocking and overlap the next
+computation. A rank that waits polls with a growing sleep instead of calling
+a blocking ``Recv``, which in MPICH spins a whole core, and gives up with a
+:class:`PipelineStallError` after ``stall_timeout`` seconds.
+
+Set ``KERAS_PIPE_DEBUG=1`` to print every send and receive, prefixed with the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from keras_pipe.errors import PipelineStallError
+
+# Message tags. MPI keeps messages of one (source, tag) pair in order, so
+# micro-batches need no tag of their own.
+TAG_ACTIVATION = 11
+TAG_GRADIENT = 12
+TAG_TARGETS = 13
+
+DEFAULT_STALL_TIMEOUT = 600.0
+_SPIN_S = 50e-6  # poll without sleeping this long before backing off
+_MAX_SLEEP_S = 1e-3  # longest sleep between polls: bounds the added latency
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("KERAS_PIPE_DEBUG", "") not in ("", "0")
+
+
+def stall_timeout_from_env(default: float = DEFAULT_STALL_TIMEOUT) -> float:
+    value = os.environ.get("KERAS_PIPE_STALL_TIMEOUT")
+    return float(value) if value else default
+
+
+class Communicator:
+    """The pipeline's view of an MPI communicator.
+
+    Example:
+
+    >>> comm = Communicator()          # doctest: +SKIP
+    >>> comm.send(np.ones((4, 8), "float32"), dest=1, tag=TAG_ACTIVATION)  # doctest: +SKIP
+    """
+
+    def __init__(self, comm: MPI.Comm | None = None, stall_timeout: float | None = None):
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.stall_timeout = stall_timeout_from_env() if stall_timeout is None else float(stall_timeout)
+        self.activity = "idle"  # what this rank is doing, for stall reports
+        self._pending: list[tuple[MPI.Request, np.ndarray]] = []
+        self._debug = debug_enabled()
+
+    # -- point to point -------------------------------------------------
+
+    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
+        """Starts sending ``array`` to ``dest``; returns at once."""
+        array = np.ascontiguousarray(array)
+        self._log(f"send {_describe(array)} tag {tag} -> rank {dest}")
+        request = self.comm.Isend([array.reshape(-1).view(np.uint8), MPI.BYTE], dest=dest, tag=tag)
+        self._pending.append((request, array))
+        self.progress()
+
+    def recv(self, source: int, tag: int, trailing_shape: tuple, dtype) -> np.ndarray:
+        """Receives an array of shape ``(n,) + trailing_shape``; ``n`` comes from the message size."""
+        dtype = np.dtype(dtype)
+        status = MPI.Status()
+        message = self._wait_for(lambda: self.comm.Improbe(source=source, tag=tag, status=status),
+                                 f"a message (tag {tag}) from rank {source}")
+        nbytes = status.Get_count(MPI.BYTE)
+        row = dtype.itemsize * int(np.prod(trailing_shape, dtype=np.int64))
+        if row == 0 or nbytes % row:
+            raise ValueError(
+                f"rank {self.rank} received {nbytes} bytes from rank {source} (tag {tag}), which is not a whole "
+                f"number of rows of shape {tuple(trailing_shape)} and dtype {dtype.name}: the ranks disagree "
+                "on the model or the data."
+            )
+        array = np.empty((nbytes // row,) + tuple(trailing_shape), dtype)
+        request = message.Irecv([array.reshape(-1).view(np.uint8), MPI.BYTE])
+        self._wait_for(lambda: request.Test(), f"the rest of a message (tag {tag}) from rank {source}")
+        self._log(f"recv {_describe(array)} tag {tag} <- rank {source}")
+        return array
+
+    def progress(self) -> None:
+        """Lets MPI progress pending sends and frees the finished ones."""
+        if self._pending:
+            self._pending = [(r, a) for r, a in self._pending if not r.Test()]
+
+    def flush(self) -> None:
+        """Waits until every pending send has completed."""
+        while self._pending:
+            request, _ = self._pending[0]
+            self._wait_for(lambda: request.Test(), "a send to complete")
+            self._pending.pop(0)
+
+    # -- collectives ----------------------------------------------------
+
+    def allreduce_sum(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise sum of a float64 vector over all ranks."""
+        send = np.ascontiguousarray(values, dtype=np.float64)
+        recv = np.empty_like(send)
+        request = self.comm.Iallreduce(send, recv, op=MPI.SUM)
+        self._wait_for(lambda: request.Test(), "the other ranks to finish the step (allreduce)")
+        return recv
+
+    def allgather_json(self, obj) -> list:
+        """Every rank's JSON-serialisable ``obj``, in rank order (no pickling)."""
+        payload = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
+        sizes = np.empty(self.size, np.int64)
+        request = self.comm.Iallgather(np.array([payload.size], np.int64), sizes)
+        self._wait_for(lambda: request.Test(), "the other ranks (allgather)")
+        gathered = np.empty(int(sizes.sum()), np.uint8)
+        displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        request = self.comm.Iallgatherv(payload, [gathered, (sizes, displacements), MPI.BYTE])
+        self._wait_for(lambda: request.Test(), "the other ranks (allgather)")
+        return [json.loads(bytes(gathered[o : o + n])) for o, n in zip(displacements, sizes)]
+
+    def bcast_json(self, obj, root: int):
+        """``obj`` from ``root``, on every rank (JSON, no pickling)."""
+        return self.allgather_json(obj if self.rank == root else None)[root]
+
+    def bcast_array(self, array: np.ndarray, root: int) -> np.ndarray:
+        """Broadcasts an array whose shape and dtype every rank already knows."""
+        array = np.ascontiguousarray(array)
+        request = self.comm.Ibcast([array.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
+        self._wait_for(lambda: request.Test(), f"a broadcast from rank {root}")
+        return array
+
+    def barrier(self) -> None:
+        request = self.comm.Ibarrier()
+        self._wait_for(lambda: request.Test(), "the other ranks (barrier)")
+
+    # -- waiting --------------------------------------------------------
+
+    def _wait_for(self, poll, what: str):
+        """Calls ``poll`` until it returns something truthy, sleeping more and more between calls."""
+        result = poll()
+        if result:
+            return result
+        start = time.monotonic()
+        sleep = 0.0
+        while True:
+            result = poll()
+            if result:
+                return result
+            waited = time.monotonic() - start
+            if waited > self.stall_timeout:
+                raise PipelineStallError(
+                    f"rank {self.rank} waited {waited:.0f} s for {what} while {self.activity}; "
+                    f"the stall timeout is {self.stall_timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or "
+                    "PipelineModel(stall_timeout=...)). A neighbouring rank is stuck or has died."
+                )
+            if waited > _SPIN_S:
+                sleep = min(_MAX_SLEEP_S, max(sleep * 2, 20e-6))
+                time.sleep(sleep)
+
+    def _log(self, text: str) -> None:
+        if self._debug:
+            print(f"[keras_pipe rank {self.rank}] {text} ({self.activity})", file=sys.stderr, flush=True)
+
+
+def _describe(array: np.ndarray) -> str:
+    return f"{array.dtype.name}{list(array.shape)}"

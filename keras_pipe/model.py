@@ -1,0 +1,489 @@
+"""``PipelineModel``: a ``keras.Sequential``-like model whose layers are split over MPI ranks."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
+
+from keras_pipe import partition
+from keras_pipe.comm import Communicator
+from keras_pipe.errors import PipelineConfigError
+from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
+from keras_pipe.schedule import SCHEDULES
+from keras_pipe.stage import Stage
+from keras_pipe.threads import configure_threads
+
+
+class PipelineModel(keras.Model):
+    """A chain of layers trained with pipeline parallelism over MPI ranks.
+
+    Write the model as for ``keras.Sequential`` and run the same script under
+    ``mpirun -n P``: the ranks of ``MPI.COMM_WORLD`` are the stages, in
+    order, each owning a contiguous slice of the layers and creating weights
+    for those layers only. Each batch is cut into ``num_microbatches``
+    micro-batches; activations travel forward and the gradients with respect
+    to them travel backward between neighbouring ranks. ``fit``,
+    ``evaluate`` and ``predict`` give what ``keras.Sequential`` gives, with the
+    same logs on every rank. Under plain ``python`` the whole model runs in
+    one process.
+
+    Example:
+
+    ```python
+    model = PipelineModel([
+        keras.Input((28, 28)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ], num_microbatches=4)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    model.fit(x, y, batch_size=64, epochs=3)
+    ```
+
+    Args:
+        layers: the layers, in order; a leading ``keras.Input`` fixes the
+            input shape (otherwise it is taken from the first batch).
+        num_microbatches: micro-batches per batch. ``None`` means
+            ``2 * number of stages`` (1 on one rank).
+        balance: layers per stage (e.g. ``[2, 3, 2]``); ``None`` balances the
+            stages' parameter counts.
+        schedule: ``"1f1b"`` (default; at most ``P - s`` micro-batches of
+            activations alive on stage ``s``) or ``"gpipe"`` (all forwards,
+            then all backwards). Both give the same training result.
+        stall_timeout: seconds a rank may wait for a neighbour before the job
+            is ended with a report; default ``KERAS_PIPE_STALL_TIMEOUT`` or 600.
+        name: the model's name.
+        trainable: whether the model's weights are trainable.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Any] | None = None,
+        *,
+        num_microbatches: int | None = None,
+        balance: Sequence[int] | None = None,
+        schedule: str = "1f1b",
+        stall_timeout: float | None = None,
+        name: str | None = None,
+        trainable: bool = True,
+    ):
+        install_excepthook()
+        configure_threads()
+        super().__init__(name=name, trainable=trainable)
+        comm = Communicator(stall_timeout=stall_timeout)
+        # Bookkeeping that Keras must not track as sub-layers: only this
+        # rank's stage layers are tracked, so `weights`, the optimizer and
+        # saving see this rank's variables only.
+        object.__setattr__(self, "_pipeline_layers", [])
+        object.__setattr__(self, "_comm", comm)
+        object.__setattr__(self, "_stage", None)
+        object.__setattr__(self, "_specs", None)
+        self._input_shape_dtype = None
+        self._balance_option = balance
+        self.num_stages = comm.size
+        self.stage_index = comm.rank
+        if num_microbatches is None:
+            num_microbatches = 1 if comm.size == 1 else 2 * comm.size
+        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
+            raise mark_collective(
+                PipelineConfigError(
+                    f"num_microbatches={num_microbatches!r}: it must be a positive integer "
+                    "(1 means no micro-batching)."
+                )
+            )
+        if schedule not in SCHEDULES:
+            raise mark_collective(
+                PipelineConfigError(f"schedule={schedule!r} is not known; use one of {', '.join(map(repr, SCHEDULES))}.")
+            )
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self._pipeline_logs = None
+        self._log_layouts: dict = {}
+        for item in layers or []:
+            self.add(item)
+
+    # -- building the model ---------------------------------------------
+
+    def add(self, layer) -> None:
+        """Appends a layer (or, first, a ``keras.Input``), as ``Sequential.add``."""
+        if isinstance(layer, keras.KerasTensor) or isinstance(layer, keras.layers.InputLayer):
+            if self._pipeline_layers or self._input_shape_dtype is not None:
+                raise mark_collective(
+                    PipelineConfigError("keras.Input can only be the first item of a PipelineModel's layer list.")
+                )
+            tensor = layer if isinstance(layer, keras.KerasTensor) else layer.output
+            self._input_shape_dtype = (tuple(tensor.shape), str(tensor.dtype))
+            return
+        if not isinstance(layer, keras.layers.Layer):
+            raise mark_collective(
+                PipelineConfigError(f"PipelineModel takes Keras layers, got {type(layer).__name__}: {layer!r}.")
+            )
+        if any(layer is other for other in self._pipeline_layers):
+            raise mark_collective(
+                PipelineConfigError(
+                    f"layer {layer.name!r} appears twice in the layer list; a pipeline is a chain in which "
+                    "every layer is used once. Create a second layer instead of reusing it."
+                )
+            )
+        if self._stage is not None:
+            raise mark_collective(
+                PipelineConfigError(
+                    "layers cannot be added after the model was built (it is already split over the ranks); "
+                    "add every layer before compile()/fit()."
+                )
+            )
+        self._pipeline_layers.append(layer)
+
+    @property
+    def layers(self) -> list:
+        """Every layer of the model, in order, on every rank (built only on its own stage)."""
+        return list(self._pipeline_layers)
+
+    @property
+    def stage_layers(self) -> list:
+        """The layers this rank owns."""
+        self._require_built()
+        return list(self._stage.layers)
+
+    @property
+    def balance(self) -> list[int] | None:
+        """Layers per stage, once the model is built."""
+        return getattr(self, "_balance", None)
+
+    def build(self, input_shape=None):
+        self._ensure_partitioned(input_shape=input_shape)
+
+    def _ensure_partitioned(self, x=None, input_shape=None, input_dtype=None) -> None:
+        if self._stage is not None:
+            return
+        if self._input_shape_dtype is not None:
+            input_shape, input_dtype = self._input_shape_dtype
+        elif x is not None:
+            input_shape, input_dtype = (None,) + tuple(x.shape[1:]), x.dtype.name if hasattr(x.dtype, "name") else str(x.dtype)
+        elif input_shape is not None:
+            input_shape, input_dtype = tuple(input_shape), input_dtype or keras.config.floatx()
+        else:
+            raise mark_collective(
+                PipelineConfigError(
+                    "the input shape is unknown; start the layer list with keras.Input(shape) or call fit()."
+                )
+            )
+        layers = self._pipeline_layers
+        if not layers:
+            raise mark_collective(PipelineConfigError("the PipelineModel has no layers; pass a list of layers."))
+        try:
+            partition.check_num_stages(len(layers), self.num_stages)
+            specs = partition.infer_specs(layers, input_shape, input_dtype)
+            if self._balance_option is None:
+                balance = partition.balance_by_params(specs, self.num_stages)
+            else:
+                balance = partition.check_balance(self._balance_option, len(layers), self.num_stages)
+        except PipelineConfigError as error:
+            raise mark_collective(error)
+        start, stop = partition.stage_bounds(balance)[self.stage_index]
+        own = layers[start:stop]
+        x_spec = keras.KerasTensor(specs[start].input_shape, specs[start - 1].output_dtype if start else input_dtype)
+        out = x_spec
+        for layer in own:
+            out = layer(out)
+        object.__setattr__(self, "_specs", specs)
+        self._balance = balance
+        self._input_shape_dtype = (tuple(input_shape), str(input_dtype))
+        self._stage_layers = list(own)  # tracked: these are this rank's weights
+        stage = Stage(
+            own,
+            self.stage_index,
+            self.num_stages,
+            input_spec=(x_spec.shape, x_spec.dtype),
+            output_spec=(out.shape, out.dtype),
+            comm=self._comm,
+        )
+        object.__setattr__(self, "_stage", stage)
+        self.built = True
+
+    def _require_built(self) -> None:
+        if self._stage is None:
+            self._ensure_partitioned()
+
+    def call(self, inputs, training=None):
+        """Runs the whole model on ``inputs``; only possible on a single rank (use ``predict``)."""
+        self._ensure_partitioned(x=inputs)
+        if self.num_stages > 1:
+            raise PipelineConfigError(
+                f"calling a PipelineModel directly is not possible on {self.num_stages} ranks, as each rank "
+                "holds only its stage's layers; use model.predict(x), which runs the pipeline."
+            )
+        for layer in self._stage.layers:
+            inputs = layer(inputs, training=training)
+        return inputs
+
+    # -- compile ----------------------------------------------------------
+
+    def compile(self, *args, **kwargs):
+        """As ``keras.Model.compile``; refuses the options a pipeline cannot honour."""
+        super().compile(*args, **kwargs)
+        self._log_layouts = {}
+        if self._stage is not None:
+            self._stage.reset_functions()
+
+    # -- the steps ---------------------------------------------------------
+
+    def train_step(self, data):
+        """One pipelined training step on a batch; returns the same logs on every rank."""
+        return self._pipeline_step(data, training=True)
+
+    def test_step(self, data):
+        """One pipelined forward pass computing loss and metrics on the last stage."""
+        return self._pipeline_step(data, training=False)
+
+    def predict_step(self, data):
+        """One pipelined forward pass; every rank returns the whole batch's predictions."""
+        x, _, _ = unpack_x_y_sample_weight(data)
+        x = tf.convert_to_tensor(x)
+        self._ensure_partitioned(x=x)
+        stage = self._stage
+        batch_size = int(x.shape[0])
+        _, y_pred = stage.run_batch(self, x, None, batch_size, self.num_microbatches, None, training=False, with_loss=False)
+        if self.num_stages == 1:
+            return y_pred
+        shape, dtype = stage.output_spec if stage.is_last else self._final_output_spec()
+        buffer = y_pred.numpy() if stage.is_last else np.empty((batch_size,) + tuple(shape[1:]), tf.as_dtype(dtype).as_numpy_dtype)
+        return tf.convert_to_tensor(self._comm.bcast_array(buffer, root=self.num_stages - 1))
+
+    def _final_output_spec(self):
+        last = self._specs[-1]
+        return last.output_shape, last.output_dtype
+
+    def _pipeline_step(self, data, training: bool):
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
+        x = tf.convert_to_tensor(x)
+        self._ensure_partitioned(x=x)
+        stage = self._stage
+        batch_size = int(x.shape[0])
+        y = None if y is None else np.asarray(y)
+        sample_weight = None if sample_weight is None else np.asarray(sample_weight)
+        if stage.is_first and not stage.is_last:
+            stage.send_targets(y, sample_weight)
+        if stage.is_last and not stage.is_first:
+            # The first stage's labels, so that inputs and labels stay paired
+            # whatever order the other ranks read their data in.
+            y, sample_weight = stage.receive_targets(y, sample_weight, batch_size)
+        if training and self.optimizer is not None and not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+        targets = (y, sample_weight) if stage.is_last else None
+        loss_part, y_pred = stage.run_batch(
+            self, x, targets, batch_size, self.num_microbatches, self.schedule, training=training, with_loss=True
+        )
+        metrics = {}
+        if stage.is_last and self._compile_metrics is not None:
+            stage.update_metrics(self._compile_metrics, y, y_pred, sample_weight)
+            metrics = self._metric_results()
+        return self._sync_logs("train" if training else "test", loss_part, batch_size, metrics)
+
+    def _metric_results(self) -> dict:
+        results = {}
+        for metric in self.metrics:
+            if metric is self._loss_tracker:
+                continue
+            value = metric.result()
+            if isinstance(value, dict):
+                results.update(value)
+            else:
+                results[metric.name] = value
+        return results
+
+    def _sync_logs(self, kind: str, loss_part: float, batch_size: int, metrics: dict) -> dict:
+        """Sums every stage's loss share and spreads the last stage's metrics, so all ranks log the same."""
+        last = self.num_stages - 1
+        if kind not in self._log_layouts:
+            layout = [[name, list(np.shape(value))] for name, value in metrics.items()]
+            self._log_layouts[kind] = self._comm.bcast_json(layout if self.stage_index == last else None, root=last)
+        layout = self._log_layouts[kind]
+        values = [loss_part, float(batch_size) if self.stage_index == 0 else 0.0]
+        for name, shape in layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            values.extend(np.ravel(metrics[name]).tolist() if self.stage_index == last else [0.0] * size)
+        summed = self._comm.allreduce_sum(np.asarray(values, np.float64))
+        self._loss_tracker.update_state(np.float32(summed[0]), sample_weight=summed[1])
+        logs = {"loss": float(self._loss_tracker.result())}
+        offset = 2
+        for name, shape in layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            chunk = summed[offset : offset + size]
+            logs[name] = float(chunk[0]) if not shape else chunk.reshape(shape)
+            offset += size
+        self._pipeline_logs = logs
+        return logs
+
+    def get_metrics_result(self) -> dict:
+        """The latest logs, identical on every rank (the last stage's metrics, all stages' loss)."""
+        if self._pipeline_logs is not None:
+            return dict(self._pipeline_logs)
+        return super().get_metrics_result()
+
+    def reset_metrics(self) -> None:
+        super().reset_metrics()
+        self._pipeline_logs = None
+
+    # -- the step functions Keras calls -------------------------------------
+
+    def make_train_function(self, force=False):
+        if self.train_function is None or force:
+            self.train_function = self._python_step_function(self.train_step)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            self.test_function = self._python_step_function(self.test_step)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+
+            def predict_function(data):
+                outputs = [self.predict_step(step_data) for step_data in data]
+                return outputs[0] if len(outputs) == 1 else tf.concat(outputs, axis=0)
+
+            self.predict_function = predict_function
+        return self.predict_function
+
+    def _python_step_function(self, step):
+        # The step runs in Python so that every step communicates; the compute
+        # inside it runs in compiled graphs (see keras_pipe.stage).
+        def function(iterator):
+            logs = None
+            for _ in range(self.steps_per_execution):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if logs is None:
+                        raise StopIteration
+                    break
+                logs = step(data)
+            return logs
+
+        return function
+
+    # -- fit / evaluate / predict ---------------------------------------------
+
+    def fit(self, *args, **kwargs):
+        """As ``keras.Model.fit``, pipelined; every rank gets the same ``History``."""
+        with fail_fast("fit()"):
+            return super().fit(**self._quiet_on_other_ranks(keras.Model.fit, args, kwargs))
+
+    def evaluate(self, *args, **kwargs):
+        """As ``keras.Model.evaluate``, pipelined; every rank returns the same values."""
+        with fail_fast("evaluate()"):
+            return super().evaluate(**self._quiet_on_other_ranks(keras.Model.evaluate, args, kwargs))
+
+    def predict(self, *args, **kwargs):
+        """As ``keras.Model.predict``, pipelined; every rank returns the whole array of predictions."""
+        with fail_fast("predict()"):
+            return super().predict(**self._quiet_on_other_ranks(keras.Model.predict, args, kwargs))
+
+    def _quiet_on_other_ranks(self, method, args, kwargs) -> dict:
+        """Binds the call's arguments; only rank 0 shows a progress bar."""
+        bound = inspect.signature(method).bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        extra = arguments.pop("kwargs", {})
+        if self._comm.rank != 0:
+            arguments["verbose"] = 0
+        arguments.update(extra)
+        return arguments
+
+    # -- weights ------------------------------------------------------------
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Every layer's weights, in layer order, on every rank (as ``Sequential.get_weights``)."""
+        self._require_built()
+        weights = []
+        for stage, (start, stop) in enumerate(partition.stage_bounds(self._balance)):
+            layouts = [w for spec in self._specs[start:stop] for w in spec.weight_shapes]
+            if stage == self.stage_index:
+                local = [np.asarray(v.numpy()) for layer in self._stage.layers for v in layer.weights]
+            else:
+                local = [np.empty(shape, dtype) for shape, dtype in layouts]
+            if self.num_stages > 1:
+                local = [self._comm.bcast_array(array, root=stage) for array in local]
+            weights.extend(local)
+        return weights
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        """Sets the whole model's weights from ``Sequential``-ordered ``weights``; each rank keeps its part."""
+        self._require_built()
+        layouts = [w for spec in self._specs for w in spec.weight_shapes]
+        if len(weights) != len(layouts):
+            raise PipelineConfigError(
+                f"set_weights got {len(weights)} arrays but the model has {len(layouts)} weights."
+            )
+        for index, ((shape, _), value) in enumerate(zip(layouts, weights)):
+            if tuple(np.shape(value)) != tuple(shape):
+                raise PipelineConfigError(
+                    f"set_weights: weight {index} has shape {tuple(np.shape(value))}, expected {tuple(shape)}."
+                )
+        start, stop = partition.stage_bounds(self._balance)[self.stage_index]
+        offset = sum(len(spec.weight_shapes) for spec in self._specs[:start])
+        for variable in (v for layer in self._stage.layers for v in layer.weights):
+            variable.assign(weights[offset])
+            offset += 1
+
+    # -- construction from Keras models ---------------------------------------
+
+    @classmethod
+    def from_sequential(cls, model: keras.Sequential, **pipeline_options) -> "PipelineModel":
+        """The same model as a pipeline: one line changes in an existing script.
+
+        Layers are re-created from their configs (so that other stages'
+        weights are not kept on every rank) and, if ``model`` is built, its
+        weights are copied.
+
+        Example:
+
+        ```python
+        seq = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model = PipelineModel.from_sequential(seq, num_microbatches=4)
+        ```
+        """
+        items = []
+        if model.built:
+            input_shape = model.inputs[0].shape if getattr(model, "inputs", None) else model.input_shape
+            items.append(keras.Input(batch_shape=tuple(input_shape), dtype=model.inputs[0].dtype if getattr(model, "inputs", None) else None))
+        for layer in model.layers:
+            items.append(type(layer).from_config(layer.get_config()))
+        pipeline_options.setdefault("name", model.name)
+        pipeline = cls(items, **pipeline_options)
+        if model.built:
+            pipeline.set_weights(model.get_weights())
+        return pipeline
+
+    def summary(self, print_fn=None, **kwargs) -> None:
+        """Prints one table, on rank 0: each layer with its stage, output shape and parameters."""
+        self._require_built()
+        if self._comm.rank != 0:
+            return
+        print_fn = print_fn or (lambda line: print(line, file=sys.stdout))
+        bounds = partition.stage_bounds(self._balance)
+        rows = [("Layer (type)", "Stage", "Output Shape", "Param #")]
+        for stage, (start, stop) in enumerate(bounds):
+            for spec in self._specs[start:stop]:
+                rows.append((f"{spec.name} ({spec.class_name})", str(stage), str(spec.output_shape), f"{spec.num_params:,}"))
+        widths = [max(len(row[c]) for row in rows) for c in range(4)]
+        rule = "-" * (sum(widths) + 6)
+        print_fn(f'PipelineModel "{self.name}": {self.num_stages} stages, {self.num_microbatches} micro-batches, schedule {self.schedule}')
+        print_fn(rule)
+        for i, row in enumerate(rows):
+            print_fn("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+            if i == 0:
+                print_fn(rule)
+        print_fn(rule)
+        per_stage = [sum(spec.num_params for spec in self._specs[a:b]) for a, b in bounds]
+        print_fn(f"Total params: {sum(per_stage):,}")
+        print_fn("Params per stage: " + ", ".join(f"{s}: {n:,}" for s, n in enumerate(per_stage)))

@@ -1,0 +1,178 @@
+"""Splitting a list of layers into contiguous stages, one per rank.
+
+Every rank knows the whole model's shapes without creating the weights of
+layers it does not own: each layer's output shape and parameter count come
+from a throw-away copy built inside a ``StatelessScope``, where Keras defers
+variable initialisation, so no memory is allocated for other stages' weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import keras
+from keras.src.backend import StatelessScope
+
+from keras_pipe.errors import PipelineConfigError
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What every rank knows about one layer, without owning it."""
+
+    name: str
+    class_name: str
+    input_shape: tuple
+    output_shape: tuple
+    output_dtype: str
+    num_params: int
+    weight_shapes: tuple  # ((shape, dtype), ...) in ``layer.weights`` order
+    trainable_shapes: tuple  # the same for ``layer.trainable_weights``
+
+
+def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_dtype: str) -> list[LayerSpec]:
+    """Output shape, dtype and weights of every layer of a chain, allocating nothing.
+
+    Args:
+        layers: the chain, in order.
+        input_shape: the model's input shape, batch dimension included (``None``).
+        input_dtype: the model's input dtype.
+
+    Returns:
+        One :class:`LayerSpec` per layer.
+    """
+    specs = []
+    x = keras.KerasTensor(tuple(input_shape), input_dtype)
+    for index, layer in enumerate(layers):
+        probe = _shadow(layer)
+        try:
+            with StatelessScope():
+                y = probe(x)
+        except Exception as error:  # noqa: BLE001 - re-raised with context
+            raise PipelineConfigError(
+                f"layer {index} ({layer.name}, {type(layer).__name__}) cannot be called on an input of "
+                f"shape {tuple(x.shape)} and dtype {x.dtype}: {error}"
+            ) from error
+        if not isinstance(y, keras.KerasTensor):
+            raise PipelineConfigError(
+                f"layer {index} ({layer.name}, {type(layer).__name__}) returns {type(y).__name__}; "
+                "a pipeline stage boundary needs a single tensor per layer, as keras.Sequential does."
+            )
+        weights = probe.weights if probe is not layer or layer.built else []
+        trainable = probe.trainable_weights if probe is not layer or layer.built else []
+        specs.append(
+            LayerSpec(
+                name=layer.name,
+                class_name=type(layer).__name__,
+                input_shape=tuple(x.shape),
+                output_shape=tuple(y.shape),
+                output_dtype=str(y.dtype),
+                num_params=int(sum(_size(w.shape) for w in weights)),
+                weight_shapes=tuple((tuple(w.shape), str(w.dtype)) for w in weights),
+                trainable_shapes=tuple((tuple(w.shape), str(w.dtype)) for w in trainable),
+            )
+        )
+        x = keras.KerasTensor(y.shape, y.dtype)
+    return specs
+
+
+def _shadow(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """An unbuilt copy of ``layer`` to probe shapes on; the layer itself if it cannot be copied."""
+    if layer.built and not layer.weights:
+        return layer
+    try:
+        clone = type(layer).from_config(layer.get_config())
+    except Exception as error:  # noqa: BLE001
+        raise PipelineConfigError(
+            f"layer {layer.name!r} ({type(layer).__name__}) cannot be re-created from its config "
+            f"({error}); keras_pipe needs get_config()/from_config() to infer shapes on ranks "
+            "that do not own the layer. Implement get_config() in the layer class."
+        ) from error
+    clone.trainable = layer.trainable
+    return clone
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def balance_by_params(specs: Sequence[LayerSpec], num_stages: int) -> list[int]:
+    """Layers per stage so that the stages' parameter counts are as even as possible.
+
+    Contiguous split minimising the largest stage's cost, where a layer costs
+    its parameters plus one (so that layers without weights still spread out).
+    Every stage gets at least one layer.
+
+    Example: four equal layers on two stages give ``[2, 2]``.
+    """
+    costs = [spec.num_params + 1 for spec in specs]
+    return _min_max_partition(costs, num_stages)
+
+
+def _min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
+    n = len(costs)
+    check_num_stages(n, num_stages)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: minimal max-cost splitting the first i layers into k stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    sizes, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def check_num_stages(num_layers: int, num_stages: int) -> None:
+    """Raises unless every stage can get at least one layer."""
+    if num_stages > num_layers:
+        raise PipelineConfigError(
+            f"{num_stages} ranks but the model has only {num_layers} layers; every stage needs at least "
+            f"one layer. Run with at most {num_layers} ranks (mpirun -n {num_layers}) or add layers."
+        )
+
+
+def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    """Validates a user-given ``balance`` (layers per stage) and returns it as a list."""
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise PipelineConfigError(
+            f"balance {balance} has {len(balance)} stages but the job has {num_stages} ranks; "
+            f"give one entry per rank (mpirun -n {len(balance)}) or use balance=None."
+        )
+    if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in balance):
+        raise PipelineConfigError(f"balance {balance} must hold positive integers: every stage needs a layer.")
+    if sum(balance) != num_layers:
+        raise PipelineConfigError(
+            f"balance {balance} covers {sum(balance)} layers but the model has {num_layers} "
+            "(a leading keras.Input is not a layer)."
+        )
+    return balance
+
+
+def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first, stop)`` layer indices of each stage.
+
+    >>> stage_bounds([2, 3])
+    [(0, 2), (2, 5)]
+    """
+    bounds, start = [], 0
+    for size in balance:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
