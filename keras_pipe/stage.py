@@ -74,7 +74,12 @@ class Stage:
         return self._functions[key]
 
     def forward_loss_fn(self, model, training: bool, target_specs):
-        """Last stage: ``(x, y, sample_weight, scale) -> (scale * loss + activity, y_pred, activity)``."""
+        """Last stage: ``(x, y, sample_weight, scale) -> (scale * (loss + activity), y_pred, activity)``.
+
+        Keras normalises the data loss and activity regularization by the
+        batch size; ``scale = microbatch_size / batch_size`` turns each
+        micro-batch's mean into its share of the batch mean.
+        """
         key = ("forward_loss", training, target_specs)
         if key not in self._functions:
             y_spec, sw_spec = target_specs
@@ -82,7 +87,7 @@ class Stage:
             def forward_loss(x, y, sample_weight, scale):
                 y_pred, activity = self._run_layers(x, training)
                 loss = model._compile_loss(y, y_pred, sample_weight)
-                loss = tf.cast(loss, tf.float32) * scale + activity
+                loss = (tf.cast(loss, tf.float32) + activity) * scale
                 return loss, y_pred, activity
 
             signature = [
@@ -198,6 +203,7 @@ class Stage:
         for action in actions:
             i = action.microbatch
             start, stop = bounds[i]
+            scale_value = (stop - start) / batch_size
             self.comm.activity = f"step {self.step}, {'forward' if action.kind == 'F' else 'backward'} micro-batch {i}"
             if action.kind == schedules.FORWARD:
                 inputs = x[start:stop] if self.is_first else self._receive(self.index - 1, TAG_ACTIVATION, self.input_spec, stop - start)
@@ -208,7 +214,7 @@ class Stage:
                         tape.watch(inputs)
                 try:
                     if forward_loss is not None:
-                        scale = tf.constant((stop - start) / batch_size, tf.float32)
+                        scale = tf.constant(scale_value, tf.float32)
                         sw = sample_weight[start:stop] if sample_weight is not None else None
                         out, y_pred, _ = forward_loss(inputs, y[start:stop], sw, scale)
                         predictions[i] = y_pred
@@ -216,7 +222,7 @@ class Stage:
                         differentiate = [out]
                     else:
                         out, activity = forward(inputs)
-                        loss_part += float(activity)
+                        loss_part += float(activity) * scale_value
                         differentiate = [out, activity]
                         if self.is_last:
                             predictions[i] = out
@@ -235,7 +241,7 @@ class Stage:
                     output_grads = None
                 else:
                     upstream = self._receive(self.index + 1, TAG_GRADIENT, self.output_spec, stop - start)
-                    output_grads = [upstream, tf.ones((), tf.float32)]
+                    output_grads = [upstream, tf.constant(scale_value, tf.float32)]
                 grads = _zeros_for_none(tape.gradient(differentiate, sources, output_gradients=output_grads), sources)
                 if not self.is_first:
                     self.comm.send(grads[0].numpy(), self.index - 1, TAG_GRADIENT)

@@ -1,0 +1,47 @@
+"""Models and data shared by the MPI test scripts."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+
+
+def data(n=203, features=12, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.integers(0, classes, size=n)
+    sample_weight = rng.uniform(0.5, 1.5, size=n).astype("float32")
+    return x, y, sample_weight
+
+
+def layers(features=12, classes=3, width=16, regularize=True):
+    """A chain of 6 layers without dropout, with weight and activity regularizers."""
+    reg = keras.regularizers.L2(0.01) if regularize else None
+    act = keras.regularizers.L1(1e-3) if regularize else None
+    return [
+        keras.Input((features,)),
+        keras.layers.Dense(width, activation="relu", kernel_regularizer=reg),
+        keras.layers.Dense(width, activation="tanh"),
+        keras.layers.Dense(width, activation="relu", activity_regularizer=act),
+        keras.layers.Reshape((width // 4, 4)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(classes, activation="softmax"),
+    ]
+
+
+def compile_args():
+    return dict(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")],
+    )
+
+
+def assert_close(actual, expected, what, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=f"rank {RANK}: {what}")

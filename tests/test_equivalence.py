@@ -1,0 +1,18 @@
+"""The most important test: pipelined training gives what keras.Sequential gives.
+
+For P = 1..4 ranks, micro-batch counts 1, 2 and 4 and both schedules, with a
+final partial batch, sample weights, weight and activity regularizers and a
+validation split: loss and metric history, final weights, evaluate() and
+predict() equal single-process Sequential to float32 round-off.
+"""
+
+import pytest
+
+from mpi import run_mpi
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_pipeline_equals_sequential(nprocs):
+    launch = run_mpi(nprocs, "equivalence.py", timeout=600)
+    assert launch.returncode == 0, launch.output
+    assert len(launch.lines_with("EQUIVALENCE OK")) == nprocs, launch.output
