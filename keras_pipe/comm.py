@@ -74,8 +74,10 @@ class Communicator:
         """Receives an array of shape ``(n,) + trailing_shape``; ``n`` comes from the message size."""
         dtype = np.dtype(dtype)
         status = MPI.Status()
-        message = self._wait_for(lambda: self.comm.Improbe(source=source, tag=tag, status=status),
-                                 f"a message (tag {tag}) from rank {source}")
+        message = self._wait_for(
+            lambda: self.comm.Improbe(source=source, tag=tag, status=status),
+            f"a message (tag {tag}) from rank {source}",
+        )
         nbytes = status.Get_count(MPI.BYTE)
         row = dtype.itemsize * int(np.prod(trailing_shape, dtype=np.int64))
         if row == 0 or nbytes % row:
@@ -98,8 +100,8 @@ class Communicator:
     def flush(self) -> None:
         """Waits until every pending send has completed."""
         while self._pending:
-            request, _ = self._pending[0]
-            self._wait_for(lambda: request.Test(), "a send to complete")
+            request = self._pending[0][0]
+            self._wait_for(request.Test, "a send to complete")
             self._pending.pop(0)
 
     # -- collectives ----------------------------------------------------

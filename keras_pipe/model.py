@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -18,6 +19,12 @@ from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
 from keras_pipe.schedule import SCHEDULES
 from keras_pipe.stage import Stage
 from keras_pipe.threads import configure_threads
+
+# At import, before the script creates any tensor: TensorFlow's thread pools
+# can only be sized before its first op, and an uncaught exception on any
+# rank must end the job rather than leave the others waiting.
+configure_threads()
+install_excepthook()
 
 
 class PipelineModel(keras.Model):
@@ -74,8 +81,6 @@ class PipelineModel(keras.Model):
         name: str | None = None,
         trainable: bool = True,
     ):
-        install_excepthook()
-        configure_threads()
         super().__init__(name=name, trainable=trainable)
         comm = Communicator(stall_timeout=stall_timeout)
         # Bookkeeping that Keras must not track as sub-layers: only this
@@ -94,13 +99,14 @@ class PipelineModel(keras.Model):
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
             raise mark_collective(
                 PipelineConfigError(
-                    f"num_microbatches={num_microbatches!r}: it must be a positive integer "
-                    "(1 means no micro-batching)."
+                    f"num_microbatches={num_microbatches!r}: it must be a positive integer (1 means no micro-batching)."
                 )
             )
         if schedule not in SCHEDULES:
             raise mark_collective(
-                PipelineConfigError(f"schedule={schedule!r} is not known; use one of {', '.join(map(repr, SCHEDULES))}.")
+                PipelineConfigError(
+                    f"schedule={schedule!r} is not known; use one of {', '.join(map(repr, SCHEDULES))}."
+                )
             )
         self.num_microbatches = num_microbatches
         self.schedule = schedule
@@ -166,7 +172,10 @@ class PipelineModel(keras.Model):
         if self._input_shape_dtype is not None:
             input_shape, input_dtype = self._input_shape_dtype
         elif x is not None:
-            input_shape, input_dtype = (None,) + tuple(x.shape[1:]), x.dtype.name if hasattr(x.dtype, "name") else str(x.dtype)
+            input_shape, input_dtype = (
+                (None,) + tuple(x.shape[1:]),
+                x.dtype.name if hasattr(x.dtype, "name") else str(x.dtype),
+            )
         elif input_shape is not None:
             input_shape, input_dtype = tuple(input_shape), input_dtype or keras.config.floatx()
         else:
@@ -186,7 +195,7 @@ class PipelineModel(keras.Model):
             else:
                 balance = partition.check_balance(self._balance_option, len(layers), self.num_stages)
         except PipelineConfigError as error:
-            raise mark_collective(error)
+            raise mark_collective(error) from None
         start, stop = partition.stage_bounds(balance)[self.stage_index]
         own = layers[start:stop]
         x_spec = keras.KerasTensor(specs[start].input_shape, specs[start - 1].output_dtype if start else input_dtype)
@@ -250,11 +259,17 @@ class PipelineModel(keras.Model):
         self._ensure_partitioned(x=x)
         stage = self._stage
         batch_size = int(x.shape[0])
-        _, y_pred = stage.run_batch(self, x, None, batch_size, self.num_microbatches, None, training=False, with_loss=False)
+        _, y_pred = stage.run_batch(
+            self, x, None, batch_size, self.num_microbatches, None, training=False, with_loss=False
+        )
         if self.num_stages == 1:
             return y_pred
         shape, dtype = stage.output_spec if stage.is_last else self._final_output_spec()
-        buffer = y_pred.numpy() if stage.is_last else np.empty((batch_size,) + tuple(shape[1:]), tf.as_dtype(dtype).as_numpy_dtype)
+        buffer = (
+            y_pred.numpy()
+            if stage.is_last
+            else np.empty((batch_size,) + tuple(shape[1:]), tf.as_dtype(dtype).as_numpy_dtype)
+        )
         return tf.convert_to_tensor(self._comm.bcast_array(buffer, root=self.num_stages - 1))
 
     def _final_output_spec(self):
@@ -364,7 +379,7 @@ class PipelineModel(keras.Model):
                     data = next(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
                     if logs is None:
-                        raise StopIteration
+                        raise StopIteration from None
                     break
                 logs = step(data)
             return logs
@@ -438,7 +453,7 @@ class PipelineModel(keras.Model):
     # -- construction from Keras models ---------------------------------------
 
     @classmethod
-    def from_sequential(cls, model: keras.Sequential, **pipeline_options) -> "PipelineModel":
+    def from_sequential(cls, model: keras.Sequential, **pipeline_options) -> PipelineModel:
         """The same model as a pipeline: one line changes in an existing script.
 
         Layers are re-created from their configs (so that other stages'
@@ -455,7 +470,12 @@ class PipelineModel(keras.Model):
         items = []
         if model.built:
             input_shape = model.inputs[0].shape if getattr(model, "inputs", None) else model.input_shape
-            items.append(keras.Input(batch_shape=tuple(input_shape), dtype=model.inputs[0].dtype if getattr(model, "inputs", None) else None))
+            items.append(
+                keras.Input(
+                    batch_shape=tuple(input_shape),
+                    dtype=model.inputs[0].dtype if getattr(model, "inputs", None) else None,
+                )
+            )
         for layer in model.layers:
             items.append(type(layer).from_config(layer.get_config()))
         pipeline_options.setdefault("name", model.name)
@@ -474,10 +494,15 @@ class PipelineModel(keras.Model):
         rows = [("Layer (type)", "Stage", "Output Shape", "Param #")]
         for stage, (start, stop) in enumerate(bounds):
             for spec in self._specs[start:stop]:
-                rows.append((f"{spec.name} ({spec.class_name})", str(stage), str(spec.output_shape), f"{spec.num_params:,}"))
+                rows.append(
+                    (f"{spec.name} ({spec.class_name})", str(stage), str(spec.output_shape), f"{spec.num_params:,}")
+                )
         widths = [max(len(row[c]) for row in rows) for c in range(4)]
         rule = "-" * (sum(widths) + 6)
-        print_fn(f'PipelineModel "{self.name}": {self.num_stages} stages, {self.num_microbatches} micro-batches, schedule {self.schedule}')
+        print_fn(
+            f'PipelineModel "{self.name}": {self.num_stages} stages, '
+            f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
+        )
         print_fn(rule)
         for i, row in enumerate(rows):
             print_fn("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))

@@ -8,8 +8,8 @@ variable initialisation, so no memory is allocated for other stages' weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import keras
 from keras.src.backend import StatelessScope

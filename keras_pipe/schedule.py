@@ -106,9 +106,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int) -> list[lis
         return one_f_one_b(num_stages, num_microbatches)
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches)
-    raise PipelineConfigError(
-        f"schedule={name!r} is not known; use one of {', '.join(repr(s) for s in SCHEDULES)}."
-    )
+    raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(repr(s) for s in SCHEDULES)}.")
 
 
 def max_in_flight(actions: list[Action]) -> int:
@@ -152,7 +150,9 @@ def simulate(schedule: list[list[Action]]) -> list[list[tuple[int, Action]]]:
     for s, actions in enumerate(schedule):
         expected = {(k, i) for k in (FORWARD, BACKWARD) for i in range(_num_mb(schedule))}
         seen = [(a.kind, a.microbatch) for a in actions]
-        if len(seen) != len(set(seen)) or (set(seen) != expected and set(seen) != {e for e in expected if e[0] == FORWARD}):
+        if len(seen) != len(set(seen)) or (
+            set(seen) != expected and set(seen) != {e for e in expected if e[0] == FORWARD}
+        ):
             raise PipelineConfigError(f"stage {s} does not run each micro-batch once: {format_actions(actions)}")
     return timeline
 

@@ -97,7 +97,10 @@ class Stage:
                 tf.TensorSpec((), tf.float32),
             ]
             if sw_spec is None:
-                fn = tf.function(lambda x, y, s: forward_loss(x, y, None, s), input_signature=[signature[0], signature[1], signature[3]])
+                fn = tf.function(
+                    lambda x, y, s: forward_loss(x, y, None, s),
+                    input_signature=[signature[0], signature[1], signature[3]],
+                )
                 self._functions[key] = lambda x, y, sw, s: fn(x, y, s)
             else:
                 self._functions[key] = tf.function(forward_loss, input_signature=signature)
@@ -206,7 +209,11 @@ class Stage:
             scale_value = (stop - start) / batch_size
             self.comm.activity = f"step {self.step}, {'forward' if action.kind == 'F' else 'backward'} micro-batch {i}"
             if action.kind == schedules.FORWARD:
-                inputs = x[start:stop] if self.is_first else self._receive(self.index - 1, TAG_ACTIVATION, self.input_spec, stop - start)
+                inputs = (
+                    x[start:stop]
+                    if self.is_first
+                    else self._receive(self.index - 1, TAG_ACTIVATION, self.input_spec, stop - start)
+                )
                 tape = tf.GradientTape() if training else None
                 if tape is not None:
                     tape.__enter__()

@@ -41,7 +41,14 @@ def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 300, env: dic
     environment["PYTHONUNBUFFERED"] = "1"
     environment["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent.parent), environment.get("PYTHONPATH", "")])
     environment.update(env or {})
-    command = [mpirun_path(), "-n", str(nprocs), sys.executable, str(SCRIPTS / script), *args]
+    command = [
+        mpirun_path(),
+        "-n",
+        str(nprocs),
+        sys.executable,
+        str(SCRIPTS / script),
+        *args,
+    ]  # absolute paths pass through
     start = time.monotonic()
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment, start_new_session=True
@@ -51,5 +58,7 @@ def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 300, env: dic
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, 9)
         output, _ = process.communicate()
-        raise AssertionError(f"mpirun -n {nprocs} {script} {' '.join(args)} timed out after {timeout} s:\n{output}")
+        raise AssertionError(
+            f"mpirun -n {nprocs} {script} {' '.join(args)} timed out after {timeout} s:\n{output}"
+        ) from None
     return Launch(process.returncode, output, time.monotonic() - start)

@@ -7,7 +7,6 @@ predict() equal single-process Sequential to float32 round-off.
 """
 
 import pytest
-
 from mpi import run_mpi
 
 

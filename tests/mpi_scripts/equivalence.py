@@ -53,7 +53,9 @@ order = np.random.default_rng(100 + RANK).permutation(len(x)) if RANK else np.ar
 model = PipelineModel(layers(), num_microbatches=4)
 model.set_weights(initial)
 model.compile(**compile_args())
-history = model.fit(x[order], y[order], sample_weight=sw[order], batch_size=32, epochs=3, shuffle=False, verbose=0).history
+history = model.fit(
+    x[order], y[order], sample_weight=sw[order], batch_size=32, epochs=3, shuffle=False, verbose=0
+).history
 reference = keras.Sequential(layers())
 reference.set_weights(initial)
 reference.compile(**compile_args())

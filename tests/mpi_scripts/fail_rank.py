@@ -1,0 +1,65 @@
+"""One rank raises in the middle of an epoch; every rank must end, non-zero, quickly.
+
+Usage: fail_rank.py FAILING_RANK WHERE, with WHERE one of ``callback`` (a
+callback raises), ``layer`` (a layer raises inside the compiled step) or
+``data`` (the rank's data generator raises).
+"""
+
+import sys
+
+import keras
+import tensorflow as tf
+from common import RANK, compile_args, data, layers
+
+from keras_pipe import PipelineModel
+
+failing_rank, where = int(sys.argv[1]), sys.argv[2]
+x, y, sw = data(n=640)
+
+
+class Boom(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if RANK == failing_rank and self.params and batch == 5 and self._epoch == 1:
+            raise RuntimeError(f"boom from a callback on rank {RANK}")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+
+class FailingLayer(keras.layers.Layer):
+    """Identity that fails once it has seen enough samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = 0
+
+    def call(self, x):
+        def check(batch):
+            self.seen += len(batch)
+            if where == "layer" and RANK == failing_rank and self.seen > 400:
+                raise ValueError(f"a layer failed on rank {RANK}")
+            return batch
+
+        return tf.numpy_function(check, [x], x.dtype, stateful=True)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+chain = layers()
+chain.insert(-1, FailingLayer(name="failing"))  # layer 5 of 7: on rank 2 with this balance
+model = PipelineModel(chain, num_microbatches=2, balance=[2, 2, 2, 1])
+model.compile(**compile_args())
+
+if where == "data":
+
+    def batches():
+        for step in range(1000):
+            if RANK == failing_rank and step == 7:
+                raise OSError(f"the data reader failed on rank {RANK}")
+            yield x[:32], y[:32]
+
+    model.fit(batches(), steps_per_epoch=20, epochs=3, verbose=0)
+else:
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[Boom()] if where == "callback" else [])
+print(f"rank {RANK} finished without noticing the failure", flush=True)
