@@ -11,7 +11,10 @@ input to ``s - 1`` (unless ``s`` is first).
 
 Both schedules run the backward passes of a stage in micro-batch order
 0, 1, ..., m - 1, so weight gradients are summed in the same order and the two
-schedules give bit-identical training results.
+schedules give bit-identical training results. In both, the last stage runs
+each micro-batch's backward right after its forward: it needs nothing from
+another rank for it, the executor fuses the two into one graph, and the
+last stage keeps one micro-batch of activations instead of ``m``.
 """
 
 from __future__ import annotations
@@ -38,24 +41,28 @@ class Action(NamedTuple):
 def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """All forwards, then all backwards (GPipe).
 
-    Every stage keeps the activations of all ``m`` micro-batches alive.
+    Every stage but the last keeps the activations of all ``m``
+    micro-batches alive; the last one runs each backward after its forward.
 
     ```
     # GPipe, 3 stages, 4 micro-batches:
     # stage 0: F0 F1 F2 F3 .. .. .. .. B0 B1 B2 B3
     # stage 1:    F0 F1 F2 F3 .. .. B0 B1 B2 B3
-    # stage 2:       F0 F1 F2 F3 B0 B1 B2 B3
+    # stage 2:       F0 B0 F1 B1 F2 B2 F3 B3
     ```
 
     Example:
 
     >>> [str(a) for a in gpipe(2, 2)[0]]
     ['F0', 'F1', 'B0', 'B1']
+    >>> [str(a) for a in gpipe(2, 2)[1]]
+    ['F0', 'B0', 'F1', 'B1']
     """
     _check(num_stages, num_microbatches)
     m = num_microbatches
     stage = [Action(FORWARD, i) for i in range(m)] + [Action(BACKWARD, i) for i in range(m)]
-    return [list(stage) for _ in range(num_stages)]
+    last = [Action(kind, i) for i in range(m) for kind in (FORWARD, BACKWARD)]
+    return [list(stage) for _ in range(num_stages - 1)] + [last]
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
