@@ -27,10 +27,15 @@ from keras_pipe.errors import PipelineStallError
 TAG_ACTIVATION = 11
 TAG_GRADIENT = 12
 TAG_TARGETS = 13
+TAG_STATUS_REQUEST = 21  # a stalled rank asks every other rank what it is doing
+TAG_STATUS_REPLY = 22
+_REPORT_GRACE_S = 5.0  # how long a stalled rank waits for the others' answers
 
 DEFAULT_STALL_TIMEOUT = 600.0
 _SPIN_S = 50e-6  # poll without sleeping this long before backing off
 _MAX_SLEEP_S = 1e-3  # longest sleep between polls: bounds the added latency
+_LONG_WAIT_S = 1.0  # after waiting this long, a few ms more latency no longer matters...
+_MAX_LONG_SLEEP_S = 10e-3  # ...so sleep up to this long between polls
 
 
 def debug_enabled() -> bool:
@@ -58,6 +63,8 @@ class Communicator:
         self.stall_timeout = stall_timeout_from_env() if stall_timeout is None else float(stall_timeout)
         self.activity = "idle"  # what this rank is doing, for stall reports
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
+        self._replies: list[tuple[MPI.Request, np.ndarray]] = []
+        self._waiting_for = ""
         self._debug = debug_enabled()
 
     # -- point to point -------------------------------------------------
@@ -126,6 +133,14 @@ class Communicator:
         self._wait_for(lambda: request.Test(), "the other ranks (allgather)")
         return [json.loads(bytes(gathered[o : o + n])) for o, n in zip(displacements, sizes)]
 
+    def allgather_array(self, array: np.ndarray) -> np.ndarray:
+        """Every rank's equally shaped ``array``, stacked in rank order."""
+        array = np.ascontiguousarray(array)
+        gathered = np.empty((self.size,) + array.shape, array.dtype)
+        request = self.comm.Iallgather(array, gathered)
+        self._wait_for(request.Test, "the other ranks (allgather)")
+        return gathered
+
     def bcast_json(self, obj, root: int):
         """``obj`` from ``root``, on every rank (JSON, no pickling)."""
         return self.allgather_json(obj if self.rank == root else None)[root]
@@ -150,20 +165,84 @@ class Communicator:
             return result
         start = time.monotonic()
         sleep = 0.0
+        self._waiting_for = what
+        self._wait_started = start
+        next_status_check = start + 0.1
         while True:
             result = poll()
             if result:
+                self._waiting_for = ""
                 return result
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            waited = now - start
+            if now > next_status_check:
+                self.answer_status_requests()
+                next_status_check = now + 0.1
             if waited > self.stall_timeout:
                 raise PipelineStallError(
-                    f"rank {self.rank} waited {waited:.0f} s for {what} while {self.activity}; "
-                    f"the stall timeout is {self.stall_timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or "
-                    "PipelineModel(stall_timeout=...)). A neighbouring rank is stuck or has died."
+                    f"rank {self.rank} waited {waited:.0f} s for {what} while {self.activity}; the stall "
+                    f"timeout is {self.stall_timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or PipelineModel("
+                    "stall_timeout=...)). A rank is stuck or has died. What each rank was doing:\n"
+                    + self.stall_report()
                 )
             if waited > _SPIN_S:
-                sleep = min(_MAX_SLEEP_S, max(sleep * 2, 20e-6))
+                ceiling = _MAX_SLEEP_S if waited < _LONG_WAIT_S else _MAX_LONG_SLEEP_S
+                sleep = min(ceiling, max(sleep * 2, 20e-6))
                 time.sleep(sleep)
+
+    # -- stall reports --------------------------------------------------
+
+    def _status(self) -> dict:
+        status = {"rank": self.rank, "doing": self.activity}
+        if self._waiting_for:
+            status["waiting_for"] = self._waiting_for
+            status["waited_s"] = round(time.monotonic() - self._wait_started, 1)
+        return status
+
+    def answer_status_requests(self) -> None:
+        """Tells any stalled rank that asks what this rank is doing (JSON, no pickling)."""
+        status = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATUS_REQUEST, status=status):
+            source = status.Get_source()
+            self.comm.Recv(np.empty(1, np.int64), source=source, tag=TAG_STATUS_REQUEST)
+            reply = np.frombuffer(json.dumps(self._status()).encode(), np.uint8).copy()
+            self._replies.append((self.comm.Isend(reply, dest=source, tag=TAG_STATUS_REPLY), reply))
+        self._replies = [(r, a) for r, a in self._replies if not r.Test()]
+
+    def stall_report(self) -> str:
+        """Asks every other rank what it is doing; one line per rank (silent ranks marked)."""
+        asks = [np.zeros(1, np.int64) for _ in range(self.size)]
+        requests = [
+            self.comm.Isend(asks[r], dest=r, tag=TAG_STATUS_REQUEST) for r in range(self.size) if r != self.rank
+        ]
+        answers = {self.rank: self._status()}
+        deadline = time.monotonic() + _REPORT_GRACE_S
+        status = MPI.Status()
+        while len(answers) < self.size and time.monotonic() < deadline:
+            self.answer_status_requests()  # another stalled rank may be asking us
+            if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATUS_REPLY, status=status):
+                payload = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+                self.comm.Recv(payload, source=status.Get_source(), tag=TAG_STATUS_REPLY)
+                answer = json.loads(bytes(payload))
+                answers[int(answer["rank"])] = answer
+            else:
+                time.sleep(0.01)
+        for request in requests:
+            if not request.Test():
+                request.Cancel()
+        lines = []
+        for rank in range(self.size):
+            answer = answers.get(rank)
+            if answer is None:
+                lines.append(
+                    f"  rank {rank}: no answer within {_REPORT_GRACE_S:g} s (dead, or stuck outside keras_pipe)"
+                )
+                continue
+            line = f"  rank {rank}: {answer['doing']}"
+            if "waiting_for" in answer:
+                line += f"; waiting {answer['waited_s']} s for {answer['waiting_for']}"
+            lines.append(line + ("  <-- timed out" if rank == self.rank else ""))
+        return "\n".join(lines)
 
     def _log(self, text: str) -> None:
         if self._debug:

@@ -50,6 +50,7 @@ def abort(error: BaseException, where: str) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     comm.Abort(1)
+    os._exit(1)  # MPI_Abort may return before the launcher kills this process
 
 
 @contextlib.contextmanager

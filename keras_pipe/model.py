@@ -14,8 +14,10 @@ from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sampl
 
 from keras_pipe import partition
 from keras_pipe.comm import Communicator
+from keras_pipe.consistency import StepAgreement, check_same_everywhere, model_fingerprint
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
+from keras_pipe.profile import balance_by_time
 from keras_pipe.schedule import SCHEDULES
 from keras_pipe.stage import Stage
 from keras_pipe.threads import configure_threads
@@ -60,7 +62,8 @@ class PipelineModel(keras.Model):
         num_microbatches: micro-batches per batch. ``None`` means
             ``2 * number of stages`` (1 on one rank).
         balance: layers per stage (e.g. ``[2, 3, 2]``); ``None`` balances the
-            stages' parameter counts.
+            stages' parameter counts; ``"time"`` measures each layer's forward
+            and backward time on a sample micro-batch and balances time.
         schedule: ``"1f1b"`` (default; at most ``P - s`` micro-batches of
             activations alive on stage ``s``) or ``"gpipe"`` (all forwards,
             then all backwards). Both give the same training result.
@@ -75,7 +78,7 @@ class PipelineModel(keras.Model):
         layers: Sequence[Any] | None = None,
         *,
         num_microbatches: int | None = None,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         schedule: str = "1f1b",
         stall_timeout: float | None = None,
         name: str | None = None,
@@ -112,6 +115,7 @@ class PipelineModel(keras.Model):
         self.schedule = schedule
         self._pipeline_logs = None
         self._log_layouts: dict = {}
+        object.__setattr__(self, "_steps", StepAgreement(comm))
         for item in layers or []:
             self.add(item)
 
@@ -192,6 +196,9 @@ class PipelineModel(keras.Model):
             specs = partition.infer_specs(layers, input_shape, input_dtype)
             if self._balance_option is None:
                 balance = partition.balance_by_params(specs, self.num_stages)
+            elif isinstance(self._balance_option, str) and self._balance_option == "time":
+                rows = max(1, int(x.shape[0]) // self.num_microbatches) if x is not None else 32
+                balance = balance_by_time(layers, specs, self.num_stages, self._comm, rows)
             else:
                 balance = partition.check_balance(self._balance_option, len(layers), self.num_stages)
         except PipelineConfigError as error:
@@ -236,11 +243,51 @@ class PipelineModel(keras.Model):
     # -- compile ----------------------------------------------------------
 
     def compile(self, *args, **kwargs):
-        """As ``keras.Model.compile``; refuses the options a pipeline cannot honour."""
+        """As ``keras.Model.compile``; refuses, on every rank, the options a pipeline cannot honour.
+
+        ``run_eagerly=True`` runs every micro-batch op by op (for debugging);
+        ``jit_compile=True`` is refused, as a step that communicates between
+        micro-batches cannot be one XLA program (keras_pipe compiles each
+        micro-batch's compute with ``tf.function`` and the optimizer update
+        with XLA instead); ``jit_compile="auto"`` is accepted.
+        """
+        arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
+        arguments.update(arguments.pop("kwargs", {}))
+        if arguments.get("jit_compile") is True:
+            raise _refuse(
+                "compile(jit_compile=True): a pipeline step sends and receives between micro-batches, so it "
+                "cannot be one XLA program. keras_pipe already compiles each micro-batch's compute with "
+                "tf.function and the optimizer update with XLA; leave jit_compile at its default."
+            )
         super().compile(*args, **kwargs)
         self._log_layouts = {}
+        self._check_compile_options()
         if self._stage is not None:
             self._stage.reset_functions()
+
+    def _check_compile_options(self) -> None:
+        """Refuses what the pipeline would get wrong: each reason says why and what to use instead."""
+        if type(self).compute_loss is not keras.Model.compute_loss:
+            raise _refuse(
+                f"{type(self).__name__} overrides compute_loss(): the pipeline computes the loss per micro-batch "
+                "on the last stage from the compiled loss, so an override would be ignored. Pass the loss to "
+                "compile() instead (a keras.losses.Loss subclass can hold custom logic)."
+            )
+        for layer in [self, *self.layers]:
+            policy = layer.dtype_policy
+            if policy.compute_dtype != policy.variable_dtype:
+                raise _refuse(
+                    f"mixed precision ({policy.name!r} on {layer.name!r}) is not supported yet: float16 needs a "
+                    "loss scale that all stages agree on. Use the default float32 policy."
+                )
+        optimizer = self.optimizer
+        if optimizer is not None and getattr(optimizer, "global_clipnorm", None):
+            raise _refuse(
+                f"optimizer global_clipnorm={optimizer.global_clipnorm}: the global norm spans every stage's "
+                "gradients, which no rank holds. Use clipnorm (per weight) or clipvalue instead."
+            )
+        if self.loss is not None:
+            loss_reduction(self.loss)  # raises for what cannot be split into micro-batches
 
     # -- the steps ---------------------------------------------------------
 
@@ -293,6 +340,8 @@ class PipelineModel(keras.Model):
         if training and self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
         targets = (y, sample_weight) if stage.is_last else None
+        stage.eager = self.run_eagerly
+        stage.loss_reduction = loss_reduction(self.loss) if self.loss is not None else "sum_over_batch_size"
         loss_part, y_pred = stage.run_batch(
             self, x, targets, batch_size, self.num_microbatches, self.schedule, training=training, with_loss=True
         )
@@ -325,6 +374,7 @@ class PipelineModel(keras.Model):
         for name, shape in layout:
             size = int(np.prod(shape, dtype=np.int64))
             values.extend(np.ravel(metrics[name]).tolist() if self.stage_index == last else [0.0] * size)
+        self._comm.activity = f"{kind} step {self._stage.step - 1}: sharing the logs"
         summed = self._comm.allreduce_sum(np.asarray(values, np.float64))
         self._loss_tracker.update_state(np.float32(summed[0]), sample_weight=summed[1])
         logs = {"loss": float(self._loss_tracker.result())}
@@ -351,33 +401,40 @@ class PipelineModel(keras.Model):
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
-            self.train_function = self._python_step_function(self.train_step)
+            self.train_function = self._python_step_function(self.train_step, "train")
         return self.train_function
 
     def make_test_function(self, force=False):
         if self.test_function is None or force:
-            self.test_function = self._python_step_function(self.test_step)
+            self.test_function = self._python_step_function(self.test_step, "test")
         return self.test_function
 
     def make_predict_function(self, force=False):
         if self.predict_function is None or force:
 
             def predict_function(data):
-                outputs = [self.predict_step(step_data) for step_data in data]
+                outputs = []
+                for step_data in data:
+                    self._steps.agree("predict", True, _batch_size(step_data))
+                    outputs.append(self.predict_step(step_data))
                 return outputs[0] if len(outputs) == 1 else tf.concat(outputs, axis=0)
 
             self.predict_function = predict_function
         return self.predict_function
 
-    def _python_step_function(self, step):
+    def _python_step_function(self, step, phase: str):
         # The step runs in Python so that every step communicates; the compute
-        # inside it runs in compiled graphs (see keras_pipe.stage).
+        # inside it runs in compiled graphs (see keras_pipe.stage). Before each
+        # step the ranks agree that all of them have a batch of the same size.
         def function(iterator):
             logs = None
             for _ in range(self.steps_per_execution):
                 try:
                     data = next(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
+                    data = None
+                self._steps.agree(phase, data is not None, 0 if data is None else _batch_size(data))
+                if data is None:
                     if logs is None:
                         raise StopIteration from None
                     break
@@ -391,27 +448,41 @@ class PipelineModel(keras.Model):
     def fit(self, *args, **kwargs):
         """As ``keras.Model.fit``, pipelined; every rank gets the same ``History``."""
         with fail_fast("fit()"):
-            return super().fit(**self._quiet_on_other_ranks(keras.Model.fit, args, kwargs))
+            arguments = self._begin_call("fit", keras.Model.fit, args, kwargs)
+            history = super().fit(**arguments)
+            self._steps.agree("end", False, 0)
+            return history
 
     def evaluate(self, *args, **kwargs):
         """As ``keras.Model.evaluate``, pipelined; every rank returns the same values."""
         with fail_fast("evaluate()"):
-            return super().evaluate(**self._quiet_on_other_ranks(keras.Model.evaluate, args, kwargs))
+            arguments = self._begin_call("evaluate", keras.Model.evaluate, args, kwargs)
+            result = super().evaluate(**arguments)
+            self._steps.agree("end", False, 0)
+            return result
 
     def predict(self, *args, **kwargs):
         """As ``keras.Model.predict``, pipelined; every rank returns the whole array of predictions."""
         with fail_fast("predict()"):
-            return super().predict(**self._quiet_on_other_ranks(keras.Model.predict, args, kwargs))
+            arguments = self._begin_call("predict", keras.Model.predict, args, kwargs)
+            result = super().predict(**arguments)
+            self._steps.agree("end", False, 0)
+            return result
 
-    def _quiet_on_other_ranks(self, method, args, kwargs) -> dict:
-        """Binds the call's arguments; only rank 0 shows a progress bar."""
+    def _begin_call(self, name: str, method, args, kwargs) -> dict:
+        """Binds the call's arguments, checks that every rank made the same call; only rank 0 shows progress."""
         bound = inspect.signature(method).bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self")
-        extra = arguments.pop("kwargs", {})
+        arguments.update(arguments.pop("kwargs", {}))
+        if name != "predict":
+            self._check_compile_options()
+        shared = {key: _describe_argument(value) for key, value in arguments.items() if key in _COMPARED_ARGUMENTS}
+        shared["call"] = name
+        check_same_everywhere(self._comm, f"the model and the {name}() call", {**model_fingerprint(self), **shared})
+        self._steps.begin_call()
         if self._comm.rank != 0:
             arguments["verbose"] = 0
-        arguments.update(extra)
         return arguments
 
     # -- weights ------------------------------------------------------------
@@ -512,3 +583,64 @@ class PipelineModel(keras.Model):
         per_stage = [sum(spec.num_params for spec in self._specs[a:b]) for a, b in bounds]
         print_fn(f"Total params: {sum(per_stage):,}")
         print_fn("Params per stage: " + ", ".join(f"{s}: {n:,}" for s, n in enumerate(per_stage)))
+
+
+# fit/evaluate/predict arguments that must agree on every rank (the data's
+# size is compared through its length; its order may differ).
+_COMPARED_ARGUMENTS = (
+    "x",
+    "y",
+    "sample_weight",
+    "batch_size",
+    "epochs",
+    "steps_per_epoch",
+    "validation_split",
+    "validation_data",
+    "validation_steps",
+    "validation_batch_size",
+    "validation_freq",
+    "initial_epoch",
+    "steps",
+    "class_weight",
+)
+
+
+def _describe_argument(value):
+    """A JSON-friendly summary: sizes of arrays, plain values as they are."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_describe_argument(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _describe_argument(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return {"shape": [None if d is None else int(d) for d in shape]}
+    return type(value).__name__  # a dataset or generator: its batches are checked step by step
+
+
+def _batch_size(data) -> int:
+    x, _, _ = unpack_x_y_sample_weight(data)
+    first = tf.nest.flatten(x)[0]
+    return int(first.shape[0])
+
+
+def _refuse(message: str) -> PipelineConfigError:
+    return mark_collective(PipelineConfigError(message))
+
+
+_MICROBATCH_REDUCTIONS = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")
+
+
+def loss_reduction(loss) -> str:
+    """The reduction of a compiled loss, if the pipeline can compute it per micro-batch."""
+    if isinstance(loss, (list, tuple, dict)):
+        raise _refuse(f"loss={loss!r}: a PipelineModel has one output, as Sequential; give a single loss.")
+    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
+    reduction = getattr(resolved, "reduction", "sum_over_batch_size")
+    if reduction not in _MICROBATCH_REDUCTIONS:
+        raise _refuse(
+            f"a loss with reduction={reduction!r} cannot be combined over micro-batches; use one of "
+            f"{', '.join(map(repr, _MICROBATCH_REDUCTIONS))}."
+        )
+    return reduction

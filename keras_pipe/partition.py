@@ -24,6 +24,7 @@ class LayerSpec:
     name: str
     class_name: str
     input_shape: tuple
+    input_dtype: str
     output_shape: tuple
     output_dtype: str
     num_params: int
@@ -66,6 +67,7 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
                 name=layer.name,
                 class_name=type(layer).__name__,
                 input_shape=tuple(x.shape),
+                input_dtype=str(x.dtype),
                 output_shape=tuple(y.shape),
                 output_dtype=str(y.dtype),
                 num_params=int(sum(_size(w.shape) for w in weights)),
@@ -110,10 +112,11 @@ def balance_by_params(specs: Sequence[LayerSpec], num_stages: int) -> list[int]:
     Example: four equal layers on two stages give ``[2, 2]``.
     """
     costs = [spec.num_params + 1 for spec in specs]
-    return _min_max_partition(costs, num_stages)
+    return min_max_partition(costs, num_stages)
 
 
-def _min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
+def min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Contiguous sizes, each at least 1, minimising the largest stage's summed cost."""
     n = len(costs)
     check_num_stages(n, num_stages)
     prefix = [0.0]
@@ -149,6 +152,11 @@ def check_num_stages(num_layers: int, num_stages: int) -> None:
 
 def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
     """Validates a user-given ``balance`` (layers per stage) and returns it as a list."""
+    if isinstance(balance, str) or not hasattr(balance, "__len__"):
+        raise PipelineConfigError(
+            f"balance={balance!r}: give None (balance parameters), 'time' (balance measured time) "
+            "or a list with the number of layers of each stage."
+        )
     balance = list(balance)
     if len(balance) != num_stages:
         raise PipelineConfigError(

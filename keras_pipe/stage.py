@@ -51,6 +51,8 @@ class Stage:
         # A list to append (name, microbatch, start, end) spans to while a
         # timeline is recorded; None otherwise, so recording costs nothing.
         self.recorder: list | None = None
+        self.eager = False  # compile(run_eagerly=True): run everything op by op
+        self.loss_reduction = "sum_over_batch_size"
 
     def _span(self, name: str, microbatch: int, start: float) -> None:
         if self.recorder is not None:
@@ -74,58 +76,63 @@ class Stage:
     def forward_fn(self, training: bool):
         """``x -> (y, activity_loss)`` for a first or middle stage (or predict), compiled once."""
         key = ("forward", training)
+
+        def forward(x):
+            return self._run_layers(x, training)
+
+        if self.eager:
+            return forward
         if key not in self._functions:
-
-            def forward(x):
-                return self._run_layers(x, training)
-
             self._functions[key] = tf.function(forward, input_signature=[self._input_signature()])
         return self._functions[key]
 
-    def _microbatch_loss(self, model, x, y, sample_weight, scale, training):
+    def _microbatch_loss(self, model, x, y, sample_weight, scales, training):
         """This micro-batch's share of the batch loss, and its predictions.
 
-        Keras normalises the data loss and activity regularization by the
-        batch size; ``scale = microbatch_size / batch_size`` turns each
-        micro-batch's mean into its share of the batch mean.
+        ``scales = (data, activity)`` turn the micro-batch's loss into its
+        share of the batch's: Keras normalises activity regularization by the
+        batch size (share ``n_i / B``) and the data loss as its reduction says
+        (see ``_loss_scales``).
         """
         y_pred, activity = self._run_layers(x, training)
         loss = model._compile_loss(y, y_pred, sample_weight)
-        return (tf.cast(loss, tf.float32) + activity) * scale, y_pred
+        return tf.cast(loss, tf.float32) * scales[0] + activity * scales[1], y_pred
 
     def evaluate_loss_fn(self, model):
-        """Last stage, evaluation: ``(x, y, sample_weight, scale) -> (loss share, y_pred)``."""
+        """Last stage, evaluation: ``(x, y, sample_weight, scales) -> (loss share, y_pred)``."""
 
-        def evaluate_loss(x, y, sample_weight, scale):
-            return self._microbatch_loss(model, x, y, sample_weight, scale, training=False)
+        def evaluate_loss(x, y, sample_weight, scales):
+            return self._microbatch_loss(model, x, y, sample_weight, scales, training=False)
 
         return self._compiled("evaluate_loss", evaluate_loss, reduce_retracing=True)
 
     def fused_step_fn(self, model):
         """Last stage, forward and backward of one micro-batch in one graph.
 
-        ``(x, y, sample_weight, scale, accumulated) -> (loss share, y_pred,
-        input gradient, accumulated + weight gradients)``. The last stage
-        runs each micro-batch's backward right after its forward, so fusing
-        them saves keeping activations across calls, and summing the weight
-        gradients in the same graph saves a pass over them.
+        ``(x, y, sample_weight, scales, first) -> (loss share, y_pred, input
+        gradient)``, adding the weight gradients to the accumulators (or
+        setting them, for the ``first`` micro-batch). The last stage runs each
+        micro-batch's backward right after its forward, so fusing them saves
+        keeping activations across calls, and accumulating in the same graph
+        saves a pass over the gradients.
         """
 
-        def fused(x, y, sample_weight, scale, accumulated):
+        def fused(x, y, sample_weight, scales, first):
             with tf.GradientTape() as tape:
                 if not self.is_first:
                     tape.watch(x)
-                loss, y_pred = self._microbatch_loss(model, x, y, sample_weight, scale, True)
+                loss, y_pred = self._microbatch_loss(model, x, y, sample_weight, scales, True)
             sources = ([] if self.is_first else [x]) + self.trainable_variables
             grads = _zeros_for_none(tape.gradient(loss, sources), sources)
             input_grad = grads.pop(0) if not self.is_first else tf.zeros((0,))
-            if accumulated is not None:
-                grads = [a + g for a, g in zip(accumulated, grads)]
-            return loss, y_pred, input_grad, grads
+            self._add_to_accumulators(grads, first)
+            return loss, y_pred, input_grad
 
         return self._compiled("fused", fused, reduce_retracing=True)
 
     def _compiled(self, key, python_fn, **kwargs):
+        if self.eager:
+            return python_fn
         if key not in self._functions:
             self._functions[key] = tf.function(python_fn, **kwargs)
         return self._functions[key]
@@ -151,11 +158,29 @@ class Stage:
 
         return self._compiled("regularization_gradients", regularization)()
 
-    def _accumulate(self, total, grads):
-        def add(total, grads):
-            return [t + g for t, g in zip(total, grads)]
+    def _add_to_accumulators(self, grads, first: bool):
+        # In place, in a fixed order (g0, then + g1, + g2, ...): both schedules
+        # sum identically, and no second copy of the gradients is ever alive.
+        for accumulator, grad in zip(self._accumulators(), grads):
+            if first:
+                accumulator.assign(tf.cast(grad, accumulator.dtype))
+            else:
+                accumulator.assign_add(tf.cast(grad, accumulator.dtype))
 
-        return self._compiled("accumulate", add)(total, grads)
+    def _accumulators(self) -> list:
+        """One variable per trainable weight that sums its gradient over a batch's micro-batches."""
+        if getattr(self, "_accumulator_variables", None) is None:
+            with tf.init_scope():  # created eagerly, even on a first call inside tf.function
+                self._accumulator_variables = [
+                    tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="gradient_sum")
+                    for v in self.trainable_variables
+                ]
+        return self._accumulator_variables
+
+    def accumulate(self, grads, first: bool) -> None:
+        """Adds weight gradients computed outside a graph to the accumulators."""
+        self._accumulators()
+        self._compiled(("accumulate", first), lambda grads: self._add_to_accumulators(grads, first))(grads)
 
     def update_metrics(self, compile_metrics, y, y_pred, sample_weight):
         """Last stage: updates the compiled metrics once with the whole batch, as ``Sequential`` does."""
@@ -169,7 +194,7 @@ class Stage:
         """Forgets the compiled functions (after ``compile()`` changed the loss, metrics or optimizer)."""
         self._functions.clear()
 
-    def apply_gradients(self, optimizer, grads):
+    def apply_gradients(self, optimizer):
         """One optimizer step on this stage's weights, XLA-compiled where the optimizer allows.
 
         The update is memory-bound element-wise work over every weight; XLA
@@ -179,18 +204,21 @@ class Stage:
         if not self.trainable_variables:
             return
 
-        def apply(grads):
+        def apply():
+            grads = [accumulator.read_value() for accumulator in self._accumulators()]
             optimizer.apply(grads, self.trainable_variables)
 
         key = ("apply", id(optimizer))
+        if self.eager:
+            return apply()
         if key not in self._functions:
             self._functions[key] = tf.function(apply, jit_compile=True)
             try:
-                self._functions[key](grads)
+                self._functions[key]()
                 return
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, NotImplementedError):
                 self._functions[key] = tf.function(apply)  # an optimizer XLA cannot compile
-        self._functions[key](grads)
+        self._functions[key]()
 
     # -- one batch ------------------------------------------------------
 
@@ -219,6 +247,7 @@ class Stage:
         else:
             actions = schedules.forward_only(self.num_stages, m)[self.index]
         y, sample_weight = targets if targets is not None else (None, None)
+        phase = "train" if training else ("test" if with_loss else "predict")
         with_targets = self.is_last and targets is not None
         if training and not with_targets and self.is_last:
             raise ValueError("training needs targets on the last stage; fit() was given no y")
@@ -226,14 +255,15 @@ class Stage:
         loss_part = 0.0
         predictions = [None] * m
         saved: dict[int, tuple] = {}  # micro-batch -> (tape, input, outputs) between its F and B
-        grad_total = None
+        accumulated = False  # whether the accumulators hold this batch's gradients yet
         position = 0
         while position < len(actions):
             action = actions[position]
             i = action.microbatch
             start, stop = bounds[i]
             scale = (stop - start) / batch_size
-            self.comm.activity = f"step {self.step}, {'forward' if action.kind == 'F' else 'backward'} micro-batch {i}"
+            pass_name = "forward" if action.kind == "F" else "backward"
+            self.comm.activity = f"{phase} step {self.step}, stage {self.index}: {pass_name} of micro-batch {i}"
             if action.kind == schedules.FORWARD:
                 inputs = self._stage_input(x, i, start, stop)
                 began = time.perf_counter()
@@ -241,9 +271,11 @@ class Stage:
                     targets_i = (y[start:stop], None if sample_weight is None else sample_weight[start:stop])
                 if training and with_targets:
                     # The last stage's B_i follows its F_i (see keras_pipe.schedule): one graph for both.
-                    loss, y_pred, input_grad, grad_total = self.fused_step_fn(model)(
-                        inputs, *targets_i, tf.constant(scale, tf.float32), grad_total
+                    self._accumulators()
+                    loss, y_pred, input_grad = self.fused_step_fn(model)(
+                        inputs, *targets_i, self._loss_scales(sample_weight, start, stop, batch_size), not accumulated
                     )
+                    accumulated = True
                     loss_part += float(loss)
                     predictions[i] = y_pred
                     self._span("forward+backward", i, began)
@@ -258,8 +290,8 @@ class Stage:
                         tape.watch(inputs)
                 try:
                     if with_targets:
-                        scale_t = tf.constant(scale, tf.float32)
-                        out, y_pred = self.evaluate_loss_fn(model)(inputs, *targets_i, scale_t)
+                        scales = self._loss_scales(sample_weight, start, stop, batch_size)
+                        out, y_pred = self.evaluate_loss_fn(model)(inputs, *targets_i, scales)
                         loss_part += float(out)
                         predictions[i] = y_pred
                     else:
@@ -292,9 +324,14 @@ class Stage:
                     self._span("backward", i, began)
                     self._send_gradient(input_grad, i)
                     began = time.perf_counter()
-                grad_total = grads if grad_total is None else self._accumulate(grad_total, grads)
-                if self.recorder is not None and grad_total:
-                    grad_total[0].numpy()  # wait for the weight gradients, so the span shows their cost
+                self.accumulate(grads, first=not accumulated)
+                accumulated = True
+                # Drop the tape (which holds this micro-batch's activations and
+                # reads of the weights) and the gradients now: alive during the
+                # optimizer update they would double this stage's memory.
+                del tape, outputs, grads
+                if self.recorder is not None and self.trainable_variables:
+                    self._accumulators()[0].numpy()  # wait for the weight gradients, so the span shows their cost
                 self._span("backward", i, began)
             self.comm.progress()
             position += 1
@@ -302,20 +339,33 @@ class Stage:
         if self._has_weight_regularizers and with_loss:
             if training:
                 reg_loss, reg_grads = self.weight_regularization_and_gradients()
-                grad_total = self._accumulate(grad_total, reg_grads) if grad_total is not None else reg_grads
+                self.accumulate(reg_grads, first=not accumulated)
+                accumulated = True
             else:
                 reg_loss = self.weight_regularization()
             loss_part += float(reg_loss)
-        if training and grad_total is not None:
-            self.comm.activity = f"step {self.step}, optimizer update"
+        if training and accumulated:
+            self.comm.activity = f"train step {self.step}, stage {self.index}: optimizer update"
             began = time.perf_counter()
-            self.apply_gradients(model.optimizer, grad_total)
+            self.apply_gradients(model.optimizer)
             if self.recorder is not None:
                 self.trainable_variables[0].numpy()
             self._span("optimizer", -1, began)
         self.step += 1
         y_pred = tf.concat(predictions, axis=0) if self.is_last else None
         return loss_part, y_pred
+
+    def _loss_scales(self, sample_weight, start, stop, batch_size):
+        """``(data, activity)`` weights of micro-batch ``[start, stop)`` in the batch's loss."""
+        share = (stop - start) / batch_size
+        if self.loss_reduction == "sum":
+            data = 1.0
+        elif self.loss_reduction == "mean_with_sample_weight" and sample_weight is not None:
+            total = float(np.sum(sample_weight))
+            data = float(np.sum(sample_weight[start:stop])) / total if total else 0.0
+        else:
+            data = share
+        return tf.constant([data, share], tf.float32)
 
     def _stage_input(self, x, i, start, stop):
         """Micro-batch ``i``'s input: a slice of the batch on the first stage, else from the previous rank."""

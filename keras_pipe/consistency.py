@@ -1,0 +1,155 @@
+"""Cross-rank agreement: one model, one configuration, one sequence of steps.
+
+Every rank runs the same script, but nothing forces the ranks to build the
+same layers, pass the same ``fit()`` arguments or read data of the same
+size. A disagreement would otherwise show up as a hang (one rank waits for a
+message that never comes) or, worse, as silently wrong training. Each rank
+therefore shares a fingerprint of its configuration when ``fit``,
+``evaluate`` or ``predict`` starts, and a small header before every step;
+any difference is an error on every rank naming the ranks and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from keras_pipe.comm import Communicator
+from keras_pipe.errors import RankMismatchError
+from keras_pipe.failure import mark_collective
+
+PHASES = {"train": 1, "test": 2, "predict": 3, "end": 4}
+_PHASE_NAMES = {code: name for name, code in PHASES.items()}
+
+
+def _digest(value) -> str:
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def model_fingerprint(model) -> dict:
+    """What every rank must agree on, as JSON-friendly values (configs as short digests)."""
+    layers = [_layer_summary(i, layer) for i, layer in enumerate(model.layers)]
+    fingerprint = {
+        "layers": layers,
+        "balance": list(model.balance or []),
+        "num_microbatches": model.num_microbatches,
+        "schedule": model.schedule,
+        "input": list(map(str, model._input_shape_dtype or [])),
+        "dtype_policy": str(getattr(model.dtype_policy, "name", model.dtype_policy)),
+    }
+    if model.compiled:
+        fingerprint["loss"] = _digest(_describe(model.loss))
+        fingerprint["metrics"] = _digest(
+            _describe(getattr(model, "_compile_config", None) and model._compile_config.config.get("metrics"))
+        )
+        fingerprint["optimizer"] = type(model.optimizer).__name__ if model.optimizer is not None else None
+    return fingerprint
+
+
+_SHOWN_CONFIG = ("units", "filters", "kernel_size", "activation", "rate", "target_shape", "axis")
+
+
+def _layer_summary(index, layer) -> str:
+    """``'2: Dense(units=24, activation=tanh) #b46ddd'``: readable, and exact through the digest."""
+    config = _layer_config(layer) or {}
+    shown = ", ".join(f"{k}={config[k]}" for k in _SHOWN_CONFIG if k in config)
+    return f"{index}: {type(layer).__name__}({shown}) #{_digest(config)[:6]}"
+
+
+def _layer_config(layer):
+    try:
+        config = layer.get_config()
+    except Exception:  # noqa: BLE001 - a layer without a config is compared by type only
+        return None
+    config.pop("name", None)  # auto-generated names may differ between ranks
+    return config
+
+
+def _describe(value):
+    try:
+        import keras
+
+        return keras.saving.serialize_keras_object(value)
+    except Exception:  # noqa: BLE001
+        return repr(value)
+
+
+def check_same_everywhere(comm: Communicator, what: str, values: dict) -> None:
+    """Raises :class:`RankMismatchError` on every rank unless all ranks passed equal ``values``."""
+    everyone = comm.allgather_json(values)
+    differences = []
+    for key in sorted(set().union(*everyone)):
+        seen = [ranked.get(key) for ranked in everyone]
+        if any(v != seen[0] for v in seen):
+            if all(isinstance(v, list) for v in seen):
+                seen = _first_difference(seen)
+            groups: dict[str, list[int]] = {}
+            for rank, v in enumerate(seen):
+                groups.setdefault(json.dumps(v, sort_keys=True), []).append(rank)
+            shown = "; ".join(f"ranks {ranks}: {_short(v)}" for v, ranks in groups.items())
+            differences.append(f"  {key}: {shown}")
+    if differences:
+        raise mark_collective(
+            RankMismatchError(
+                f"the ranks disagree on {what}:\n" + "\n".join(differences) + "\nEvery rank must run the same "
+                "script with the same model, compile() and fit()/evaluate()/predict() arguments."
+            )
+        )
+
+
+def _first_difference(lists: list[list]) -> list:
+    """Each rank's entry at the first index where the ranks' lists differ (or their lengths)."""
+    length = max(len(values) for values in lists)
+    for index in range(length):
+        entries = [values[index] if index < len(values) else None for values in lists]
+        if any(e != entries[0] for e in entries):
+            return [
+                e if e is not None else f"nothing at position {index} ({len(v)} entries)"
+                for e, v in zip(entries, lists)
+            ]
+    return lists
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class StepAgreement:
+    """Before every step, the ranks compare (phase, call, step, has data, batch size).
+
+    One small all-gather per step: a rank whose data ran out, or that moved
+    on to another call, is found at once instead of leaving its neighbours
+    waiting.
+    """
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.call = 0
+
+    def begin_call(self) -> None:
+        self.call += 1
+        self.step = 0
+
+    def agree(self, phase: str, has_data: bool, batch_size: int) -> None:
+        header = np.array([PHASES[phase], self.call, self.step, int(has_data), batch_size], np.int64)
+        self.comm.activity = f"{phase} step {self.step}: checking that every rank has a batch"
+        everyone = self.comm.allgather_array(header)
+        self.step += 1
+        if (everyone == everyone[0]).all():
+            return
+        rows = []
+        for rank, (code, call, step, data, size) in enumerate(everyone.tolist()):
+            state = f"{_PHASE_NAMES.get(code, code)}, call {call}, step {step}, " + (
+                f"batch of {size}" if data else "no more data"
+            )
+            rows.append(f"  rank {rank}: {state}")
+        raise mark_collective(
+            RankMismatchError(
+                "the ranks are out of step:\n" + "\n".join(rows) + "\nThe ranks' data must give the same number "
+                "of batches of the same sizes (same data size, batch_size and steps), and every rank must make "
+                "the same fit()/evaluate()/predict() calls."
+            )
+        )

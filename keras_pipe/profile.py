@@ -1,0 +1,69 @@
+"""Measuring each layer's forward + backward time, for ``balance="time"``.
+
+Equal parameter counts rarely mean equal time (a convolution has few
+weights and much work; a wide Dense the opposite). As torchgpipe's
+``balance_by_time``, this times every layer on a sample micro-batch and
+splits the chain so that the slowest stage is as fast as possible.
+
+No rank builds the whole model: each rank times the layers of the
+parameter-balanced split it would own, on throw-away copies, and the ranks
+share their timings (JSON, no pickling) so that all compute the same split.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_pipe import partition
+from keras_pipe.comm import Communicator
+
+
+def layer_times(layers, specs, start: int, stop: int, rows: int, repeats: int = 5) -> list[float]:
+    """Median seconds of forward + backward of ``layers[start:stop]`` on ``rows`` samples each."""
+    times = []
+    for layer, spec in zip(layers[start:stop], specs[start:stop]):
+        clone = type(layer).from_config(layer.get_config()) if layer.weights or not layer.built else layer
+        shape = (rows,) + tuple(spec.input_shape[1:])
+        dtype = tf.as_dtype(spec.input_dtype)
+        x = tf.random.normal(shape, dtype=dtype) if dtype.is_floating else tf.zeros(shape, dtype)
+        clone(x)  # build
+
+        @tf.function
+        def step(x, clone=clone):
+            with tf.GradientTape() as tape:
+                if x.dtype.is_floating:
+                    tape.watch(x)
+                y = clone(x, training=True)
+            sources = ([x] if x.dtype.is_floating else []) + clone.trainable_weights
+            return tape.gradient(y, sources, output_gradients=tf.ones_like(y)) if sources else y
+
+        step(x)  # trace and warm up
+        samples = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            result = step(x)
+            _ = [r.numpy() for r in tf.nest.flatten(result) if r is not None][:1]
+            samples.append(time.perf_counter() - began)
+        times.append(statistics.median(samples))
+        del clone, step
+    return times
+
+
+def balance_by_time(
+    layers: Sequence[keras.layers.Layer], specs, num_stages: int, comm: Communicator, rows: int
+) -> list[int]:
+    """Layers per stage balancing measured forward + backward time; the same on every rank."""
+    provisional = partition.stage_bounds(partition.balance_by_params(specs, num_stages))
+    start, stop = provisional[comm.rank]
+    mine = layer_times(list(layers), specs, start, stop, rows)
+    every = [t for times in comm.allgather_json(mine) for t in times]
+    # Layers that take no measurable time still cost a little (a copy), so
+    # that every stage gets at least one layer and ties spread out.
+    floor = 1e-6 + 1e-3 * float(np.mean(every))
+    return partition.min_max_partition([t + floor for t in every], num_stages)

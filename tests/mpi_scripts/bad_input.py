@@ -1,0 +1,133 @@
+"""Every mistake gives a clear error on every rank, before any hang.
+
+Runs on 4 ranks; each case prints ``CASE <name>: <first line of the error>``
+on every rank, or ``CASE <name>: no error`` (which the test reports).
+"""
+
+import keras
+import numpy as np
+from common import RANK, SIZE, compile_args, data, layers
+
+from keras_pipe import PipelineModel
+
+assert SIZE == 4, "run on 4 ranks"
+x, y, sw = data(n=256)
+
+
+def case(name, build, fit=None):
+    try:
+        model = build()
+        if fit is not None:
+            fit(model)
+        print(f"CASE {name}: no error", flush=True)
+    except (ValueError, RuntimeError) as error:
+        first = str(error).strip().splitlines()[0]
+        detail = " | ".join(str(error).strip().splitlines()[1:4])
+        print(f"CASE {name}: {type(error).__name__}: {first} | {detail}", flush=True)
+
+
+def compiled(chain, **options):
+    model = PipelineModel(chain, **options)
+    model.compile(**compile_args())
+    return model
+
+
+def fit(model, **kwargs):
+    arguments = dict(x=x, y=y, batch_size=32, epochs=1, verbose=0)
+    arguments.update(kwargs)
+    model.fit(**arguments)
+
+
+def different_width():
+    chain = layers()
+    if RANK == 1:
+        chain[2] = keras.layers.Dense(24, activation="tanh")
+    return compiled(chain)
+
+
+case("layers differ", different_width, fit)
+case("batch size differs", lambda: compiled(layers()), lambda m: fit(m, batch_size=16 if RANK == 3 else 32))
+case(
+    "data size differs",
+    lambda: compiled(layers()),
+    lambda m: fit(m, x=x[: 200 if RANK == 1 else 256], y=y[: 200 if RANK == 1 else 256]),
+)
+case("num_microbatches differs", lambda: compiled(layers(), num_microbatches=2 if RANK == 0 else 4), fit)
+
+
+def short_generator(model):
+    batches = 5 if RANK == 2 else 8
+
+    def generate():
+        for i in range(batches):
+            yield x[32 * i : 32 * (i + 1)], y[32 * i : 32 * (i + 1)]
+
+    model.fit(generate(), epochs=1, verbose=0)
+
+
+case("fewer batches on one rank", lambda: compiled(layers()), short_generator)
+case("more ranks than layers", lambda: compiled(layers()[:4]), fit)
+case("balance does not cover the layers", lambda: compiled(layers(), balance=[1, 1, 1, 1]), fit)
+case("num_microbatches < 1", lambda: compiled(layers(), num_microbatches=0))
+
+
+def reused():
+    dense = keras.layers.Dense(16)
+    return compiled(
+        [keras.Input((12,)), dense, keras.layers.Dense(16), dense, keras.layers.Dense(3), keras.layers.Dense(3)]
+    )
+
+
+case("a layer used twice", reused)
+case(
+    "not a chain",
+    lambda: compiled(layers()[:3] + [keras.layers.Concatenate()] + layers()[3:]),
+    fit,
+)
+
+
+def compile_with(**options):
+    def build():
+        model = PipelineModel(layers())
+        arguments = compile_args()
+        arguments.update(options)
+        model.compile(**arguments)
+        return model
+
+    return build
+
+
+case("jit_compile=True", compile_with(jit_compile=True))
+case("global_clipnorm", compile_with(optimizer=keras.optimizers.Adam(global_clipnorm=1.0)))
+case("loss without reduction", compile_with(loss=keras.losses.SparseCategoricalCrossentropy(reduction=None)))
+case("several losses", compile_with(loss=["mse", "mse"]))
+
+
+def mixed():
+    chain = layers()
+    chain[1] = keras.layers.Dense(16, activation="relu", dtype="mixed_float16")
+    return compiled(chain)
+
+
+case("mixed_float16", mixed)
+
+
+class OwnLoss(PipelineModel):
+    def compute_loss(self, *args, **kwargs):
+        return super().compute_loss(*args, **kwargs)
+
+
+case("compute_loss override", lambda: OwnLoss(layers()).compile(**compile_args()))
+
+# run_eagerly=True is honoured: same training as compiled graphs.
+keras.utils.set_random_seed(3)
+graph = compiled(layers())
+initial = graph.get_weights()
+graph_history = graph.fit(x, y, batch_size=32, epochs=2, verbose=0).history
+eager = PipelineModel(layers())
+eager.set_weights(initial)
+arguments = compile_args()
+eager.compile(run_eagerly=True, **arguments)
+eager_history = eager.fit(x, y, batch_size=32, epochs=2, verbose=0).history
+np.testing.assert_allclose(eager_history["loss"], graph_history["loss"], rtol=1e-5)
+print("CASE run_eagerly: same as graphs", flush=True)

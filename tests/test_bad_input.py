@@ -1,0 +1,57 @@
+"""Mistakes give a clear error on every rank, never a hang or silently wrong training."""
+
+import re
+
+from mpi import run_mpi
+
+EXPECTED = {
+    "layers differ": 'layers: ranks [0, 2, 3]: "1: Dense(units=16, activation=tanh) #',
+    "batch size differs": "batch_size: ranks [0, 1, 2]: 32; ranks [3]: 16",
+    "data size differs": 'x: ranks [0, 2, 3]: {"shape": [256, 12]}; ranks [1]: {"shape": [200, 12]}',
+    "num_microbatches differs": "num_microbatches: ranks [0]: 2; ranks [1, 2, 3]: 4",
+    "fewer batches on one rank": "rank 2: train, call 1, step 5, no more data",
+    "more ranks than layers": "4 ranks but the model has only 3 layers",
+    "balance does not cover the layers": "balance [1, 1, 1, 1] covers 4 layers but the model has 6",
+    "num_microbatches < 1": "num_microbatches=0: it must be a positive integer",
+    "a layer used twice": "appears twice in the layer list",
+    "not a chain": "layer 2 (concatenate, Concatenate) cannot be called on an input of shape (None, 16)",
+    "jit_compile=True": "compile(jit_compile=True): a pipeline step sends and receives between micro-batches",
+    "global_clipnorm": "global_clipnorm=1.0: the global norm spans every stage's gradients",
+    "loss without reduction": "reduction=None cannot be combined over micro-batches",
+    "several losses": "a PipelineModel has one output",
+    "mixed_float16": "mixed precision ('mixed_float16'",
+    "compute_loss override": "OwnLoss overrides compute_loss()",
+    "run_eagerly": "same as graphs",
+}
+
+
+def test_every_mistake_is_a_clear_error_on_every_rank():
+    launch = run_mpi(4, "bad_input.py", timeout=300)
+    assert launch.returncode == 0, launch.output
+    problems = []
+    for case, expected in EXPECTED.items():
+        messages = re.findall(rf"CASE {re.escape(case)}: (.*?)(?=CASE |\n|$)", launch.output)
+        matching = [m for m in messages if expected in m]
+        if len(matching) != 4:
+            problems.append(f"{case}: expected 4 ranks to say {expected!r}, got {messages}")
+    assert not problems, "\n".join(problems) + "\n\n" + launch.output
+
+
+def test_a_hanging_rank_ends_the_job_with_a_report():
+    launch = run_mpi(4, "stall.py", "hang", timeout=120)
+    assert launch.returncode != 0, launch.output
+    assert launch.seconds < 60, launch.output
+    assert "PipelineStallError" in launch.output, launch.output
+    assert "rank 2: no answer within" in launch.output, launch.output
+    report = re.search(r"What each rank was doing:\n((?:  rank \d: .*\n){4})", launch.output)
+    assert report, launch.output
+    assert "waiting" in report.group(1), report.group(1)
+    assert "finished without noticing" not in launch.output
+
+
+def test_a_killed_rank_ends_the_job_within_the_timeout():
+    launch = run_mpi(4, "stall.py", "kill", timeout=120)
+    assert launch.returncode != 0, launch.output
+    # stall_timeout is 5 s; the launcher or the watchdog ends the others.
+    assert launch.seconds < 5 + 10 + 30, launch.output
+    assert "finished without noticing" not in launch.output
