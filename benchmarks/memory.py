@@ -87,7 +87,8 @@ def main() -> None:
         f"PipelineModel {runtime:.2f} GiB (TensorFlow, MPI, XLA)"
     )
     print(
-        f"{'configuration':<26} {'peak RSS per rank (GiB)':<32} {'max - runtime':>13} {'(Seq - runtime)/P':>18} {'ratio':>6}"
+        f"{'configuration':<26} {'peak RSS per rank (GiB)':<32} {'max - runtime':>13} "
+        f"{'(Seq - runtime)/P':>18} {'ratio':>6}"
     )
     print(f"{'Sequential, 1 process':<26} {sequential:<32.2f} {sequential - runtime_sequential:13.2f}")
     for ranks in (1, 2, 4):
