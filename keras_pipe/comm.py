@@ -27,6 +27,7 @@ from keras_pipe.errors import PipelineStallError
 TAG_ACTIVATION = 11
 TAG_GRADIENT = 12
 TAG_TARGETS = 13
+TAG_STATE = 14  # weights and optimizer state on their way to or from rank 0
 TAG_STATUS_REQUEST = 21  # a stalled rank asks every other rank what it is doing
 TAG_STATUS_REPLY = 22
 _REPORT_GRACE_S = 5.0  # how long a stalled rank waits for the others' answers
@@ -98,6 +99,13 @@ class Communicator:
         self._wait_for(lambda: request.Test(), f"the rest of a message (tag {tag}) from rank {source}")
         self._log(f"recv {_describe(array)} tag {tag} <- rank {source}")
         return array
+
+    def recv_exact(self, source: int, tag: int, shape: tuple, dtype) -> np.ndarray:
+        """Receives an array whose whole shape is known (scalars included)."""
+        flat = self.recv(source, tag, (), dtype)
+        if flat.size != int(np.prod(shape, dtype=np.int64)):
+            raise ValueError(f"rank {self.rank} expected {shape} from rank {source}, got {flat.size} values")
+        return flat.reshape(shape)
 
     def progress(self) -> None:
         """Lets MPI progress pending sends and frees the finished ones."""

@@ -12,7 +12,8 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
 
-from keras_pipe import partition
+from keras_pipe import partition, saving
+from keras_pipe.callbacks import adapt_callbacks
 from keras_pipe.comm import Communicator
 from keras_pipe.consistency import StepAgreement, check_same_everywhere, model_fingerprint
 from keras_pipe.errors import PipelineConfigError
@@ -265,6 +266,12 @@ class PipelineModel(keras.Model):
         if self._stage is not None:
             self._stage.reset_functions()
 
+    def compile_from_config(self, config) -> None:
+        """Compiles from ``get_compile_config()`` output, as ``keras.Model`` does (used when loading)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.optimizer is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def _check_compile_options(self) -> None:
         """Refuses what the pipeline would get wrong: each reason says why and what to use instead."""
         if type(self).compute_loss is not keras.Model.compute_loss:
@@ -475,12 +482,15 @@ class PipelineModel(keras.Model):
         arguments = dict(bound.arguments)
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
-        if name != "predict":
+        if name != "predict" and self.compiled:
             self._check_compile_options()
         shared = {key: _describe_argument(value) for key, value in arguments.items() if key in _COMPARED_ARGUMENTS}
         shared["call"] = name
         check_same_everywhere(self._comm, f"the model and the {name}() call", {**model_fingerprint(self), **shared})
         self._steps.begin_call()
+        if self._input_shape_dtype is not None:
+            self._require_built()  # BackupAndRestore and friends expect a built model
+        arguments["callbacks"] = adapt_callbacks(arguments.get("callbacks"), self._comm)
         if self._comm.rank != 0:
             arguments["verbose"] = 0
         return arguments
@@ -520,6 +530,50 @@ class PipelineModel(keras.Model):
         for variable in (v for layer in self._stage.layers for v in layer.weights):
             variable.assign(weights[offset])
             offset += 1
+
+    # -- saving -------------------------------------------------------------------
+
+    def to_sequential(self) -> keras.Sequential | None:
+        """The whole model, weights and optimizer state, as a ``keras.Sequential`` on rank 0 (``None`` elsewhere).
+
+        Collective: call it on every rank.
+        """
+        self._require_built()
+        return saving.to_sequential(self)
+
+    def save(self, filepath, overwrite: bool = True, zipped=None, **kwargs) -> None:
+        """Writes one standard ``.keras`` file, from rank 0: the equivalent ``Sequential``.
+
+        Call it on every rank, as in any Keras script. Plain
+        ``keras.models.load_model`` opens the file in one process, without
+        MPI or keras_pipe; :func:`keras_pipe.load_model` opens it on any
+        number of ranks.
+        """
+        sequential = self.to_sequential()
+        arguments = dict(kwargs, overwrite=overwrite)
+        if zipped is not None:
+            arguments["zipped"] = zipped
+        saving.on_root(self._comm, lambda: sequential.save(filepath, **arguments), f"save {filepath}")
+
+    def save_weights(self, filepath, overwrite: bool = True, **kwargs) -> None:
+        """Writes the whole model's weights (and optimizer state) to one ``.weights.h5`` file, from rank 0."""
+        sequential = self.to_sequential()
+        saving.on_root(
+            self._comm,
+            lambda: sequential.save_weights(filepath, overwrite=overwrite, **kwargs),
+            f"save weights to {filepath}",
+        )
+
+    def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
+        """Reads a ``.weights.h5`` file of this model (or its ``Sequential``) on rank 0; each stage gets its part."""
+        self._require_built()
+
+        def read():
+            sequential = saving.skeleton(self)
+            sequential.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+            return sequential
+
+        saving.load_into(self, saving.on_root(self._comm, read, f"load weights from {filepath}"))
 
     # -- construction from Keras models ---------------------------------------
 

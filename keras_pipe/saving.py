@@ -1,0 +1,258 @@
+"""Saving and loading a pipeline as the equivalent ``keras.Sequential``.
+
+A ``PipelineModel`` saved with ``model.save("model.keras")`` (called on every
+rank, as in any Keras script) is one standard ``.keras`` file, written by
+rank 0 alone: the equivalent ``keras.Sequential`` with every stage's weights
+and optimizer state. Plain ``keras.models.load_model`` opens it without MPI
+or keras_pipe; :func:`load_model` opens it (or any ``Sequential`` file) on
+any number of ranks. Files are read on rank 0 only and each stage receives
+its part, so the ranks need not share a filesystem.
+
+Rank 0 holds the whole model while saving or loading: the file format has
+no per-stage shards.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from keras_pipe import partition
+from keras_pipe.comm import TAG_STATE, Communicator
+from keras_pipe.failure import mark_collective
+
+ROOT = 0
+
+
+# -- moving arrays between rank 0 and the stages ---------------------------
+
+
+def gather_to_root(comm: Communicator, arrays: list[np.ndarray]) -> list[list[np.ndarray]] | None:
+    """Every rank's list of arrays, on rank 0 (``None`` elsewhere); shapes travel as JSON."""
+    arrays = [np.asarray(a) for a in arrays]
+    layouts = comm.allgather_json([[list(a.shape), a.dtype.str] for a in arrays])
+    if comm.rank != ROOT:
+        for array in arrays:
+            comm.send(array, ROOT, TAG_STATE)
+        comm.flush()
+        return None
+    gathered = []
+    for rank, layout in enumerate(layouts):
+        if rank == ROOT:
+            gathered.append(arrays)
+        else:
+            gathered.append([comm.recv_exact(rank, TAG_STATE, tuple(shape), dtype) for shape, dtype in layout])
+    return gathered
+
+
+def scatter_from_root(comm: Communicator, per_rank: list[list[np.ndarray]] | None) -> list[np.ndarray]:
+    """Rank ``r`` gets ``per_rank[r]`` from rank 0."""
+    layouts = comm.bcast_json(
+        [[[list(np.shape(a)), np.asarray(a).dtype.str] for a in arrays] for arrays in per_rank]
+        if comm.rank == ROOT
+        else None,
+        root=ROOT,
+    )
+    if comm.rank == ROOT:
+        for rank, arrays in enumerate(per_rank):
+            if rank != ROOT:
+                for array in arrays:
+                    comm.send(np.asarray(array), rank, TAG_STATE)
+        comm.flush()
+        return [np.asarray(a) for a in per_rank[ROOT]]
+    return [comm.recv_exact(ROOT, TAG_STATE, tuple(shape), dtype) for shape, dtype in layouts[comm.rank]]
+
+
+def on_root(comm: Communicator, action, what: str):
+    """Runs ``action`` on rank 0; if it fails, every rank raises the same error."""
+    result, error = None, None
+    if comm.rank == ROOT:
+        try:
+            result = action()
+        except Exception as failure:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(failure).__name__}: {failure}"
+    error = comm.bcast_json(error, root=ROOT)
+    if error is not None:
+        raise mark_collective(OSError(f"rank 0 could not {what}: {error}"))
+    return result
+
+
+# -- optimizer state ------------------------------------------------------
+
+
+def optimizer_state(optimizer, variables, first_index: int = 0) -> dict[str, np.ndarray]:
+    """The optimizer's variables keyed so that stages and the whole model agree.
+
+    A slot (Adam's momentum of a kernel, say) is keyed by the model-wide
+    index of its weight and the slot's name; the optimizer's own variables
+    (iteration count, learning rate) by their names.
+    """
+    keys = [(_path_key(v), first_index + i) for i, v in enumerate(variables)]
+    keys.sort(key=lambda pair: -len(pair[0]))  # longest prefix first: "d1_kernel_2" before "d1_kernel"
+    state = {}
+    for slot in optimizer.variables:
+        for prefix, index in keys:
+            if slot.name.startswith(prefix + "_"):
+                state[f"{index}:{slot.name[len(prefix) + 1 :]}"] = np.asarray(slot.numpy())
+                break
+        else:
+            state[f"optimizer:{slot.name}"] = np.asarray(slot.numpy())
+    return state
+
+
+def assign_optimizer_state(optimizer, variables, state: dict, first_index: int = 0) -> None:
+    """Sets the optimizer's variables from :func:`optimizer_state` output (of any split)."""
+    mine = optimizer_state(optimizer, variables, first_index)
+    missing = sorted(set(mine) - set(state))
+    if missing:
+        raise mark_collective(
+            ValueError(f"the saved optimizer state lacks {missing[:5]}: was it saved with another optimizer?")
+        )
+    lookup = dict(zip(mine, optimizer.variables))
+    for key, slot in lookup.items():
+        slot.assign(state[key])
+
+
+def _path_key(variable) -> str:
+    return variable.path.replace("/", "_")
+
+
+# -- the equivalent Sequential ----------------------------------------------
+
+
+def skeleton(model) -> keras.Sequential:
+    """A ``Sequential`` with ``model``'s layers re-created from their configs, compiled as ``model`` is."""
+    shape, dtype = model._input_shape_dtype
+    layers = [keras.layers.deserialize(keras.layers.serialize(layer)) for layer in model.layers]
+    sequential = keras.Sequential([keras.Input(batch_shape=shape, dtype=dtype), *layers], name=model.name)
+    if model.compiled:
+        sequential.compile_from_config(model.get_compile_config())
+        if sequential.optimizer is not None and not sequential.optimizer.built:
+            sequential.optimizer.build(sequential.trainable_variables)
+    return sequential
+
+
+def to_sequential(model) -> keras.Sequential | None:
+    """The whole model as a ``keras.Sequential`` on rank 0 (``None`` elsewhere); collective."""
+    comm = model._comm
+    stage = model._stage
+    gathered = gather_to_root(comm, [v.numpy() for layer in stage.layers for v in layer.weights])
+    offset = _first_trainable_index(model)
+    optimizer = model.optimizer if model.compiled else None
+    with_optimizer = comm.allgather_json(bool(optimizer is not None and optimizer.built))
+    opt_parts = None
+    if all(with_optimizer):
+        state = optimizer_state(optimizer, stage.trainable_variables, offset)
+        names = sorted(state)
+        parts = gather_to_root(comm, [state[name] for name in names])
+        keys = comm.allgather_json(names)
+        opt_parts = [dict(zip(k, p)) for k, p in zip(keys, parts)] if parts is not None else None
+    if comm.rank != ROOT:
+        return None
+    sequential = skeleton(model)
+    sequential.set_weights([w for arrays in gathered for w in arrays])
+    if opt_parts is not None and sequential.optimizer is not None:
+        merged = {}
+        for part in opt_parts:
+            merged.update(part)  # the optimizer's own variables are the same on every stage
+        assign_optimizer_state(sequential.optimizer, sequential.trainable_variables, merged)
+    return sequential
+
+
+def load_into(model, sequential: keras.Sequential | None) -> None:
+    """Gives every stage its weights (and optimizer state) from ``sequential`` on rank 0; collective."""
+    comm = model._comm
+    bounds = partition.stage_bounds(model.balance)
+    per_rank = None
+    if comm.rank == ROOT:
+        per_rank = [[w.numpy() for layer in sequential.layers[a:b] for w in layer.weights] for a, b in bounds]
+    weights = scatter_from_root(comm, per_rank)
+    for variable, value in zip((v for layer in model._stage.layers for v in layer.weights), weights):
+        variable.assign(value)
+    has_state = comm.bcast_json(
+        bool(
+            sequential is not None
+            and sequential.optimizer is not None
+            and sequential.optimizer.built
+            and model.compiled
+        )
+        if comm.rank == ROOT
+        else None,
+        root=ROOT,
+    )
+    if not has_state or not model.compiled:
+        return
+    per_rank_state = None
+    if comm.rank == ROOT:
+        full = optimizer_state(sequential.optimizer, sequential.trainable_variables)
+        per_rank_state = []
+        for a, b in bounds:
+            first = sum(len(layer.trainable_weights) for layer in sequential.layers[:a])
+            last = first + sum(len(layer.trainable_weights) for layer in sequential.layers[a:b])
+            keys = sorted(k for k in full if k.startswith("optimizer:") or first <= int(k.split(":")[0]) < last)
+            per_rank_state.append(keys)
+    keys = comm.bcast_json(per_rank_state, root=ROOT)[comm.rank]
+    values = scatter_from_root(comm, [[full[k] for k in ks] for ks in per_rank_state] if comm.rank == ROOT else None)
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model._stage.trainable_variables)
+    assign_optimizer_state(
+        optimizer, model._stage.trainable_variables, dict(zip(keys, values)), _first_trainable_index(model)
+    )
+
+
+def _first_trainable_index(model) -> int:
+    start, _ = partition.stage_bounds(model.balance)[model.stage_index]
+    return sum(len(spec.trainable_shapes) for spec in model._specs[:start])
+
+
+def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline_options):
+    """Opens a ``.keras`` file saved by ``PipelineModel`` (on any number of ranks) or by plain Keras.
+
+    Rank 0 reads the file (with Keras' ``safe_mode``); every rank rebuilds
+    the layers from the model's JSON config and receives its stage's weights
+    and optimizer state, so training resumes exactly.
+
+    Example:
+
+    ```python
+    model = keras_pipe.load_model("model.keras", num_microbatches=4)
+    model.fit(x, y, epochs=1)
+    ```
+    """
+    from keras_pipe.comm import Communicator
+    from keras_pipe.model import PipelineModel
+
+    comm = Communicator()
+
+    def read():
+        loaded = keras.models.load_model(filepath, custom_objects=custom_objects, safe_mode=safe_mode)
+        if not isinstance(loaded, keras.Sequential):
+            raise ValueError(f"{filepath} holds a {type(loaded).__name__}; keras_pipe loads Sequential models")
+        return loaded
+
+    sequential = on_root(comm, read, f"load {filepath}")
+    description = comm.bcast_json(_describe(sequential) if comm.rank == ROOT else None, root=ROOT)
+    with keras.saving.custom_object_scope(custom_objects or {}):
+        layers = [keras.saving.deserialize_keras_object(c, safe_mode=safe_mode) for c in description["layers"]]
+        shape, dtype = description["input"]
+        pipeline_options.setdefault("name", description["name"])
+        model = PipelineModel([keras.Input(batch_shape=tuple(shape), dtype=dtype), *layers], **pipeline_options)
+        model.build()
+        if description["compile"] is not None:
+            model.compile_from_config(description["compile"])
+    load_into(model, sequential)
+    return model
+
+
+def _describe(sequential: keras.Sequential) -> dict:
+    config = sequential.get_config()
+    layers = [c for c in config["layers"] if c["class_name"] != "InputLayer"]
+    first = sequential.inputs[0]
+    compile_config = sequential.get_compile_config() if sequential.compiled else None
+    return {
+        "name": sequential.name,
+        "layers": layers,
+        "input": [list(first.shape), str(first.dtype)],
+        "compile": compile_config,
+    }

@@ -1,0 +1,127 @@
+"""Every built-in callback behaves as for Sequential, identically on every rank.
+
+Usage: callbacks.py TMPDIR. Trains a Sequential reference and a PipelineModel
+with the same callbacks and compares what the callbacks did.
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+from common import RANK, SIZE, assert_close, data, layers
+
+from keras_pipe import PipelineModel
+from keras_pipe.comm import Communicator
+
+tmp = sys.argv[1]
+x, y, sw = data(n=203)
+comm = Communicator()
+
+
+class Reader(keras.callbacks.Callback):
+    """A custom callback that reads self.model."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        weights = self.model.get_weights()
+        self.seen.append(
+            [float(self.model.optimizer.learning_rate), len(self.model.layers), float(sum(w.sum() for w in weights))]
+        )
+
+
+def train(model, tag, epochs=12, **fit_args):
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    early = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True)
+    logged, reader = [], Reader()
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(f"{tmp}/{tag}_best.keras", monitor="val_loss", save_best_only=True),
+        keras.callbacks.ModelCheckpoint(f"{tmp}/{tag}_{{epoch}}.weights.h5", save_weights_only=True),
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9),
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10),
+        keras.callbacks.CSVLogger(f"{tmp}/{tag}_log{RANK}.csv"),
+        keras.callbacks.TensorBoard(log_dir=f"{tmp}/{tag}_tensorboard{RANK}"),
+        keras.callbacks.TerminateOnNaN(),
+        keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: logged.append(dict(logs))),
+        reader,
+        early,
+    ]
+    history = model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=epochs,
+        shuffle=False,
+        validation_split=0.2,
+        verbose=0,
+        callbacks=callbacks,
+        **fit_args,
+    ).history
+    return history, early.stopped_epoch, model.get_weights(), float(model.optimizer.learning_rate), logged, reader.seen
+
+
+keras.utils.set_random_seed(11)
+reference = keras.Sequential(layers(regularize=False))
+initial = reference.get_weights()
+expected = train(reference, f"seq{RANK}")
+pipeline = PipelineModel(layers(regularize=False), num_microbatches=2)
+pipeline.set_weights(initial)
+got = train(pipeline, "pipe")
+
+history, stopped, weights, lr, logged, seen = got
+assert stopped == expected[1] and stopped > 0, f"rank {RANK}: stopped at {stopped}, Sequential at {expected[1]}"
+assert sorted(history) == sorted(expected[0])
+for key in history:
+    assert_close(history[key], expected[0][key], f"history {key}")
+for a, b in zip(weights, expected[2]):
+    assert_close(a, b, "restored best weights")
+assert_close(lr, expected[3], "learning rate")
+for a, b in zip(logged, expected[4]):
+    for key in b:
+        assert_close(a[key], b[key], f"LambdaCallback {key}")
+assert_close(np.array(seen), np.array(expected[5]), "custom callback", rtol=1e-4)
+# Identical on every rank, too.
+everyone = comm.allgather_json([stopped, lr, history["loss"]])
+assert all(e == everyone[0] for e in everyone), everyone
+
+comm.barrier()
+# One writer: only rank 0's CSV and TensorBoard files exist.
+for r in range(SIZE):
+    assert os.path.exists(f"{tmp}/pipe_log{r}.csv") == (r == 0), f"CSVLogger file of rank {r}"
+    assert os.path.exists(f"{tmp}/pipe_tensorboard{r}") == (r == 0), f"TensorBoard dir of rank {r}"
+if RANK == 0:
+    csv = np.genfromtxt(f"{tmp}/pipe_log0.csv", delimiter=",", names=True)
+    csv_expected = np.genfromtxt(f"{tmp}/seq0_log0.csv", delimiter=",", names=True)
+    for name in csv_expected.dtype.names:
+        assert_close(csv[name], csv_expected[name], f"CSV column {name}")
+    best = keras.models.load_model(f"{tmp}/pipe_best.keras")
+    best_expected = keras.models.load_model(f"{tmp}/seq0_best.keras")
+    assert_close(best.predict(x, verbose=0), best_expected.predict(x, verbose=0), "best checkpoint")
+    assert os.path.exists(f"{tmp}/pipe_{stopped + 1}.weights.h5")
+
+# TerminateOnNaN: a NaN sample weight stops every rank at the same batch, as Sequential.
+sw_nan = sw.copy()
+sw_nan[100] = np.nan
+stops = []
+for model in (keras.Sequential(layers(regularize=False)), PipelineModel(layers(regularize=False))):
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    batches = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs, seen=batches: seen.append(batch))
+    model.fit(
+        x,
+        y,
+        sample_weight=sw_nan,
+        batch_size=32,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.TerminateOnNaN(), counter],
+    )
+    stops.append(len(batches))
+assert stops[0] == stops[1] < 7 * 3, stops
+assert len(set(comm.allgather_json(stops[1]))) == 1
+
+print(f"CALLBACKS OK rank {RANK} of {SIZE}: stopped at epoch {stopped}", flush=True)
