@@ -10,6 +10,7 @@ list of layers, split over however many ranks ``mpirun`` starts.
 """
 
 import argparse
+import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -27,6 +28,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--history", help="write the History and test figures to this JSON file (rank 0)")
     args = parser.parse_args()
     rank = MPI.COMM_WORLD.Get_rank()
 
@@ -53,12 +55,17 @@ def main():
     )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     model.summary()
-    model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, validation_split=0.1, verbose=2)
+    history = model.fit(
+        x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, validation_split=0.1, verbose=2
+    ).history
     loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
     predictions = model.predict(x_test, verbose=0)
     if rank == 0:
         print(f"test loss {loss:.4f} - test accuracy {accuracy:.4f} on {len(x_test)} held-out digits")
         print(f"predict() agrees with evaluate(): {np.mean(predictions.argmax(axis=1) == y_test):.4f}")
+        if args.history:
+            with open(args.history, "w") as f:
+                json.dump({"history": history, "test_loss": loss, "test_accuracy": accuracy}, f)
 
 
 if __name__ == "__main__":

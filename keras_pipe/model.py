@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,6 +116,7 @@ class PipelineModel(keras.Model):
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self._pipeline_logs = None
+        self._last_batch_size = None
         self._log_layouts: dict = {}
         object.__setattr__(self, "_steps", StepAgreement(comm))
         for item in layers or []:
@@ -336,6 +338,7 @@ class PipelineModel(keras.Model):
         self._ensure_partitioned(x=x)
         stage = self._stage
         batch_size = int(x.shape[0])
+        self._last_batch_size = batch_size
         y = None if y is None else np.asarray(y)
         sample_weight = None if sample_weight is None else np.asarray(sample_weight)
         if stage.is_first and not stage.is_last:
@@ -382,7 +385,9 @@ class PipelineModel(keras.Model):
             size = int(np.prod(shape, dtype=np.int64))
             values.extend(np.ravel(metrics[name]).tolist() if self.stage_index == last else [0.0] * size)
         self._comm.activity = f"{kind} step {self._stage.step - 1}: sharing the logs"
+        began = time.perf_counter()
         summed = self._comm.allreduce_sum(np.asarray(values, np.float64))
+        self._stage._span("share logs", -1, began)
         self._loss_tracker.update_state(np.float32(summed[0]), sample_weight=summed[1])
         logs = {"loss": float(self._loss_tracker.result())}
         offset = 2

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
+ROOT = SCRIPTS.parent.parent
 
 
 def mpirun_path() -> str:
