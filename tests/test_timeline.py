@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-
 from mpi import ROOT, run_mpi
 
 
