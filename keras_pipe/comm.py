@@ -34,9 +34,11 @@ _REPORT_GRACE_S = 5.0  # how long a stalled rank waits for the others' answers
 
 DEFAULT_STALL_TIMEOUT = 600.0
 _SPIN_S = 50e-6  # poll without sleeping this long before backing off
-_MAX_SLEEP_S = 1e-3  # longest sleep between polls: bounds the added latency
-_LONG_WAIT_S = 1.0  # after waiting this long, a few ms more latency no longer matters...
-_MAX_LONG_SLEEP_S = 10e-3  # ...so sleep up to this long between polls
+# The longest sleep between polls grows with the time already waited: a
+# neighbour's micro-batch takes milliseconds, so early on the added latency
+# must stay small; after a second, a few ms more no longer matter and the
+# CPU a waiting rank burns does (10 s of waiting costs < 0.1 s of CPU).
+_SLEEP_CEILINGS = ((0.05, 200e-6), (1.0, 1e-3), (float("inf"), 10e-3))  # (waited below, longest sleep)
 
 
 def debug_enabled() -> bool:
@@ -194,7 +196,7 @@ class Communicator:
                     + self.stall_report()
                 )
             if waited > _SPIN_S:
-                ceiling = _MAX_SLEEP_S if waited < _LONG_WAIT_S else _MAX_LONG_SLEEP_S
+                ceiling = next(longest for below, longest in _SLEEP_CEILINGS if waited < below)
                 sleep = min(ceiling, max(sleep * 2, 20e-6))
                 time.sleep(sleep)
 

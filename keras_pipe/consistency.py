@@ -153,3 +153,37 @@ class StepAgreement:
                 "the same fit()/evaluate()/predict() calls."
             )
         )
+
+
+# fit/evaluate/predict arguments that must agree on every rank (the data's
+# size is compared through its length; its order may differ).
+COMPARED_ARGUMENTS = (
+    "x",
+    "y",
+    "sample_weight",
+    "batch_size",
+    "epochs",
+    "steps_per_epoch",
+    "validation_split",
+    "validation_data",
+    "validation_steps",
+    "validation_batch_size",
+    "validation_freq",
+    "initial_epoch",
+    "steps",
+    "class_weight",
+)
+
+
+def describe_argument(value):
+    """A JSON-friendly summary: sizes of arrays, plain values as they are."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [describe_argument(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): describe_argument(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return {"shape": [None if d is None else int(d) for d in shape]}
+    return type(value).__name__  # a dataset or generator: its batches are checked step by step

@@ -13,10 +13,16 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
 
-from keras_pipe import partition, saving
+from keras_pipe import compile_checks, partition, saving
 from keras_pipe.callbacks import adapt_callbacks
 from keras_pipe.comm import Communicator
-from keras_pipe.consistency import StepAgreement, check_same_everywhere, model_fingerprint
+from keras_pipe.consistency import (
+    COMPARED_ARGUMENTS,
+    StepAgreement,
+    check_same_everywhere,
+    describe_argument,
+    model_fingerprint,
+)
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
 from keras_pipe.profile import balance_by_time
@@ -256,15 +262,10 @@ class PipelineModel(keras.Model):
         """
         arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
         arguments.update(arguments.pop("kwargs", {}))
-        if arguments.get("jit_compile") is True:
-            raise _refuse(
-                "compile(jit_compile=True): a pipeline step sends and receives between micro-batches, so it "
-                "cannot be one XLA program. keras_pipe already compiles each micro-batch's compute with "
-                "tf.function and the optimizer update with XLA; leave jit_compile at its default."
-            )
+        compile_checks.check_arguments(arguments)
         super().compile(*args, **kwargs)
         self._log_layouts = {}
-        self._check_compile_options()
+        compile_checks.check_model(self)
         if self._stage is not None:
             self._stage.reset_functions()
 
@@ -273,30 +274,6 @@ class PipelineModel(keras.Model):
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.optimizer is not None and self.built:
             self.optimizer.build(self.trainable_variables)
-
-    def _check_compile_options(self) -> None:
-        """Refuses what the pipeline would get wrong: each reason says why and what to use instead."""
-        if type(self).compute_loss is not keras.Model.compute_loss:
-            raise _refuse(
-                f"{type(self).__name__} overrides compute_loss(): the pipeline computes the loss per micro-batch "
-                "on the last stage from the compiled loss, so an override would be ignored. Pass the loss to "
-                "compile() instead (a keras.losses.Loss subclass can hold custom logic)."
-            )
-        for layer in [self, *self.layers]:
-            policy = layer.dtype_policy
-            if policy.compute_dtype != policy.variable_dtype:
-                raise _refuse(
-                    f"mixed precision ({policy.name!r} on {layer.name!r}) is not supported yet: float16 needs a "
-                    "loss scale that all stages agree on. Use the default float32 policy."
-                )
-        optimizer = self.optimizer
-        if optimizer is not None and getattr(optimizer, "global_clipnorm", None):
-            raise _refuse(
-                f"optimizer global_clipnorm={optimizer.global_clipnorm}: the global norm spans every stage's "
-                "gradients, which no rank holds. Use clipnorm (per weight) or clipvalue instead."
-            )
-        if self.loss is not None:
-            loss_reduction(self.loss)  # raises for what cannot be split into micro-batches
 
     # -- the steps ---------------------------------------------------------
 
@@ -351,7 +328,9 @@ class PipelineModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
         targets = (y, sample_weight) if stage.is_last else None
         stage.eager = self.run_eagerly
-        stage.loss_reduction = loss_reduction(self.loss) if self.loss is not None else "sum_over_batch_size"
+        stage.loss_reduction = (
+            compile_checks.loss_reduction(self.loss) if self.loss is not None else "sum_over_batch_size"
+        )
         loss_part, y_pred = stage.run_batch(
             self, x, targets, batch_size, self.num_microbatches, self.schedule, training=training, with_loss=True
         )
@@ -488,8 +467,8 @@ class PipelineModel(keras.Model):
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
         if name != "predict" and self.compiled:
-            self._check_compile_options()
-        shared = {key: _describe_argument(value) for key, value in arguments.items() if key in _COMPARED_ARGUMENTS}
+            compile_checks.check_model(self)
+        shared = {key: describe_argument(value) for key, value in arguments.items() if key in COMPARED_ARGUMENTS}
         shared["call"] = name
         check_same_everywhere(self._comm, f"the model and the {name}() call", {**model_fingerprint(self), **shared})
         self._steps.begin_call()
@@ -522,13 +501,15 @@ class PipelineModel(keras.Model):
         self._require_built()
         layouts = [w for spec in self._specs for w in spec.weight_shapes]
         if len(weights) != len(layouts):
-            raise PipelineConfigError(
-                f"set_weights got {len(weights)} arrays but the model has {len(layouts)} weights."
+            raise mark_collective(
+                PipelineConfigError(f"set_weights got {len(weights)} arrays but the model has {len(layouts)} weights.")
             )
         for index, ((shape, _), value) in enumerate(zip(layouts, weights)):
             if tuple(np.shape(value)) != tuple(shape):
-                raise PipelineConfigError(
-                    f"set_weights: weight {index} has shape {tuple(np.shape(value))}, expected {tuple(shape)}."
+                raise mark_collective(
+                    PipelineConfigError(
+                        f"set_weights: weight {index} has shape {tuple(np.shape(value))}, expected {tuple(shape)}."
+                    )
                 )
         start, stop = partition.stage_bounds(self._balance)[self.stage_index]
         offset = sum(len(spec.weight_shapes) for spec in self._specs[:start])
@@ -620,86 +601,15 @@ class PipelineModel(keras.Model):
         if self._comm.rank != 0:
             return
         print_fn = print_fn or (lambda line: print(line, file=sys.stdout))
-        bounds = partition.stage_bounds(self._balance)
-        rows = [("Layer (type)", "Stage", "Output Shape", "Param #")]
-        for stage, (start, stop) in enumerate(bounds):
-            for spec in self._specs[start:stop]:
-                rows.append(
-                    (f"{spec.name} ({spec.class_name})", str(stage), str(spec.output_shape), f"{spec.num_params:,}")
-                )
-        widths = [max(len(row[c]) for row in rows) for c in range(4)]
-        rule = "-" * (sum(widths) + 6)
         print_fn(
             f'PipelineModel "{self.name}": {self.num_stages} stages, '
             f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
         )
-        print_fn(rule)
-        for i, row in enumerate(rows):
-            print_fn("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
-            if i == 0:
-                print_fn(rule)
-        print_fn(rule)
-        per_stage = [sum(spec.num_params for spec in self._specs[a:b]) for a, b in bounds]
-        print_fn(f"Total params: {sum(per_stage):,}")
-        print_fn("Params per stage: " + ", ".join(f"{s}: {n:,}" for s, n in enumerate(per_stage)))
-
-
-# fit/evaluate/predict arguments that must agree on every rank (the data's
-# size is compared through its length; its order may differ).
-_COMPARED_ARGUMENTS = (
-    "x",
-    "y",
-    "sample_weight",
-    "batch_size",
-    "epochs",
-    "steps_per_epoch",
-    "validation_split",
-    "validation_data",
-    "validation_steps",
-    "validation_batch_size",
-    "validation_freq",
-    "initial_epoch",
-    "steps",
-    "class_weight",
-)
-
-
-def _describe_argument(value):
-    """A JSON-friendly summary: sizes of arrays, plain values as they are."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_describe_argument(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _describe_argument(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    shape = getattr(value, "shape", None)
-    if shape is not None:
-        return {"shape": [None if d is None else int(d) for d in shape]}
-    return type(value).__name__  # a dataset or generator: its batches are checked step by step
+        for line in partition.summary_lines(self._specs, self._balance):
+            print_fn(line)
 
 
 def _batch_size(data) -> int:
     x, _, _ = unpack_x_y_sample_weight(data)
     first = tf.nest.flatten(x)[0]
     return int(first.shape[0])
-
-
-def _refuse(message: str) -> PipelineConfigError:
-    return mark_collective(PipelineConfigError(message))
-
-
-_MICROBATCH_REDUCTIONS = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")
-
-
-def loss_reduction(loss) -> str:
-    """The reduction of a compiled loss, if the pipeline can compute it per micro-batch."""
-    if isinstance(loss, (list, tuple, dict)):
-        raise _refuse(f"loss={loss!r}: a PipelineModel has one output, as Sequential; give a single loss.")
-    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
-    reduction = getattr(resolved, "reduction", "sum_over_batch_size")
-    if reduction not in _MICROBATCH_REDUCTIONS:
-        raise _refuse(
-            f"a loss with reduction={reduction!r} cannot be combined over micro-batches; use one of "
-            f"{', '.join(map(repr, _MICROBATCH_REDUCTIONS))}."
-        )
-    return reduction

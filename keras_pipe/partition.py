@@ -184,3 +184,25 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
         bounds.append((start, start + size))
         start += size
     return bounds
+
+
+def summary_lines(specs: Sequence[LayerSpec], balance: Sequence[int]) -> list[str]:
+    """A table of every layer with its stage, output shape and parameters, and the parameters per stage."""
+    bounds = stage_bounds(balance)
+    rows = [("Layer (type)", "Stage", "Output Shape", "Param #")]
+    for stage, (start, stop) in enumerate(bounds):
+        for spec in specs[start:stop]:
+            rows.append(
+                (f"{spec.name} ({spec.class_name})", str(stage), str(spec.output_shape), f"{spec.num_params:,}")
+            )
+    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+    rule = "-" * (sum(widths) + 6)
+    lines = [rule]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append(rule)
+    per_stage = [sum(spec.num_params for spec in specs[a:b]) for a, b in bounds]
+    lines += [rule, f"Total params: {sum(per_stage):,}"]
+    lines.append("Params per stage: " + ", ".join(f"{s}: {n:,}" for s, n in enumerate(per_stage)))
+    return lines

@@ -1,6 +1,7 @@
 """Splitting layers over stages, and knowing every shape without other stages' weights."""
 
 import os
+import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -14,6 +15,7 @@ from keras_pipe.partition import (  # noqa: E402
     check_num_stages,
     infer_specs,
     stage_bounds,
+    summary_lines,
 )
 
 
@@ -76,3 +78,12 @@ def test_a_layer_that_cannot_take_the_input_is_named():
     layers = [keras.layers.Dense(4), keras.layers.Conv2D(2, 3)]
     with pytest.raises(PipelineConfigError, match="layer 1"):
         infer_specs(layers, (None, 8), "float32")
+
+
+def test_summary_shows_each_layer_with_its_stage():
+    specs = infer_specs(seed_layers(), (None, 28, 28), "float32")
+    lines = summary_lines(specs, [2, 4])
+    table = "\n".join(lines)
+    assert re.search(r"dense(_\d+)? \(Dense\)\s+0\s+\(None, 128\)\s+100,480", table), table
+    assert lines[-1] == "Params per stage: 0: 100,480, 1: 34,314"
+    assert lines[-2] == "Total params: 134,794"

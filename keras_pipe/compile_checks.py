@@ -1,0 +1,69 @@
+"""The ``compile()`` options a pipeline cannot honour, refused on every rank with the reason.
+
+Each check runs identically on every rank (they all compile the same
+model), so the errors are raised everywhere before any communication.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_pipe.errors import PipelineConfigError
+from keras_pipe.failure import mark_collective
+
+
+def check_arguments(arguments: dict) -> None:
+    """Checks ``compile()``'s arguments before Keras sees them."""
+    if arguments.get("jit_compile") is True:
+        raise refuse(
+            "compile(jit_compile=True): a pipeline step sends and receives between micro-batches, so it "
+            "cannot be one XLA program. keras_pipe already compiles each micro-batch's compute with "
+            "tf.function and the optimizer update with XLA; leave jit_compile at its default."
+        )
+
+
+def check_model(model) -> None:
+    """Refuses what the pipeline would get wrong: each reason says why and what to use instead."""
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        raise refuse(
+            f"{type(model).__name__} overrides compute_loss(): the pipeline computes the loss per micro-batch "
+            "on the last stage from the compiled loss, so an override would be ignored. Pass the loss to "
+            "compile() instead (a keras.losses.Loss subclass can hold custom logic)."
+        )
+    for layer in [model, *model.layers]:
+        policy = layer.dtype_policy
+        if policy.compute_dtype != policy.variable_dtype:
+            raise refuse(
+                f"mixed precision ({policy.name!r} on {layer.name!r}) is not supported yet: its equivalence with "
+                "Sequential is not tested, and float16 needs one loss scale shared by all stages. Use the "
+                "default float32 policy."
+            )
+    optimizer = model.optimizer
+    if optimizer is not None and getattr(optimizer, "global_clipnorm", None):
+        raise refuse(
+            f"optimizer global_clipnorm={optimizer.global_clipnorm}: the global norm spans every stage's "
+            "gradients, which no rank holds. Use clipnorm (per weight) or clipvalue instead."
+        )
+    if model.loss is not None:
+        loss_reduction(model.loss)  # raises for what cannot be split into micro-batches
+
+
+def refuse(message: str) -> PipelineConfigError:
+    return mark_collective(PipelineConfigError(message))
+
+
+MICROBATCH_REDUCTIONS = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")
+
+
+def loss_reduction(loss) -> str:
+    """The reduction of a compiled loss, if the pipeline can compute it per micro-batch."""
+    if isinstance(loss, (list, tuple, dict)):
+        raise refuse(f"loss={loss!r}: a PipelineModel has one output, as Sequential; give a single loss.")
+    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
+    reduction = getattr(resolved, "reduction", "sum_over_batch_size")
+    if reduction not in MICROBATCH_REDUCTIONS:
+        raise refuse(
+            f"a loss with reduction={reduction!r} cannot be combined over micro-batches; use one of "
+            f"{', '.join(map(repr, MICROBATCH_REDUCTIONS))}."
+        )
+    return reduction
