@@ -271,7 +271,8 @@ class Stage:
                     targets_i = (y[start:stop], None if sample_weight is None else sample_weight[start:stop])
                 if training and with_targets:
                     # The last stage's B_i follows its F_i (see keras_pipe.schedule): one graph for both.
-                    self._accumulators()
+                    assert actions[position + 1] == schedules.Action(schedules.BACKWARD, i), actions
+                    self._accumulators()  # created eagerly, before the graph that adds to them is traced
                     loss, y_pred, input_grad = self.fused_step_fn(model)(
                         inputs, *targets_i, self._loss_scales(sample_weight, start, stop, batch_size), not accumulated
                     )

@@ -6,8 +6,11 @@ from mpi import run_mpi
 
 
 def test_waiting_ten_seconds_costs_well_under_a_second_of_cpu():
-    launch = run_mpi(2, "idle_wait.py", timeout=120)
+    launch = run_mpi(2, "idle_wait.py", timeout=120, env={"KERAS_PIPE_DEBUG": "1"})
     assert launch.returncode == 0, launch.output
+    # KERAS_PIPE_DEBUG=1 prints every send and receive, prefixed with the rank.
+    assert "[keras_pipe rank 0] send float32[3, 4] tag 11 -> rank 1" in launch.output, launch.output
+    assert "[keras_pipe rank 1] recv float32[3, 4] tag 11 <- rank 0" in launch.output, launch.output
     wall, cpu = map(float, re.search(r"WAITED wall ([0-9.]+) s cpu ([0-9.]+) s", launch.output).groups())
     assert wall > 9, launch.output
     assert cpu < 0.5, f"a waiting rank used {cpu:.2f} s of CPU in {wall:.1f} s"
