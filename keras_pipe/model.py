@@ -123,6 +123,7 @@ class PipelineModel(keras.Model):
         self.schedule = schedule
         self._pipeline_logs = None
         self._last_batch_size = None
+        self._loss_reduction = None
         self._log_layouts: dict = {}
         object.__setattr__(self, "_steps", StepAgreement(comm))
         for item in layers or []:
@@ -266,6 +267,8 @@ class PipelineModel(keras.Model):
         super().compile(*args, **kwargs)
         self._log_layouts = {}
         compile_checks.check_model(self)
+        # Once per compile, not per step: how each micro-batch's loss enters the batch's.
+        self._loss_reduction = compile_checks.loss_reduction(self.loss) if self.loss is not None else None
         if self._stage is not None:
             self._stage.reset_functions()
 
@@ -328,9 +331,7 @@ class PipelineModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
         targets = (y, sample_weight) if stage.is_last else None
         stage.eager = self.run_eagerly
-        stage.loss_reduction = (
-            compile_checks.loss_reduction(self.loss) if self.loss is not None else "sum_over_batch_size"
-        )
+        stage.loss_reduction = self._loss_reduction
         loss_part, y_pred = stage.run_batch(
             self, x, targets, batch_size, self.num_microbatches, self.schedule, training=training, with_loss=True
         )

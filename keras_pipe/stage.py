@@ -52,7 +52,7 @@ class Stage:
         # timeline is recorded; None otherwise, so recording costs nothing.
         self.recorder: list | None = None
         self.eager = False  # compile(run_eagerly=True): run everything op by op
-        self.loss_reduction = "sum_over_batch_size"
+        self.loss_reduction = None  # the compiled loss's reduction (None: Keras' sum_over_batch_size)
 
     def _span(self, name: str, microbatch: int, start: float) -> None:
         if self.recorder is not None:

@@ -22,6 +22,7 @@ EXPECTED = {
     "mixed_float16": "mixed precision ('mixed_float16'",
     "compute_loss override": "OwnLoss overrides compute_loss()",
     "run_eagerly": "same as graphs",
+    "loss reductions": "same as Sequential",
 }
 
 

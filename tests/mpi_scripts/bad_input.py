@@ -131,3 +131,21 @@ eager.compile(run_eagerly=True, **arguments)
 eager_history = eager.fit(x, y, batch_size=32, epochs=2, verbose=0).history
 np.testing.assert_allclose(eager_history["loss"], graph_history["loss"], rtol=1e-5)
 print("CASE run_eagerly: same as graphs", flush=True)
+
+# Losses whose reduction is "sum" or "mean_with_sample_weight" are split into
+# micro-batches with their own weights: training still equals Sequential.
+for reduction in ("sum", "mean_with_sample_weight"):
+    keras.utils.set_random_seed(4)
+    sequential = keras.Sequential(layers())
+    start = sequential.get_weights()
+    pipeline = PipelineModel(layers(), num_microbatches=3)
+    pipeline.set_weights(start)
+    results = []
+    for model in (sequential, pipeline):
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(reduction=reduction))
+        history = model.fit(x, y, sample_weight=sw, batch_size=50, epochs=2, shuffle=False, verbose=0).history
+        results.append((history["loss"], model.get_weights()))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, err_msg=reduction)
+    for a, b in zip(results[1][1], results[0][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=reduction)
+print("CASE loss reductions: same as Sequential", flush=True)
