@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -213,6 +214,15 @@ class PipelineModel(keras.Model):
                 balance = partition.check_balance(self._balance_option, len(layers), self.num_stages)
         except PipelineConfigError as error:
             raise mark_collective(error) from None
+        if self.num_microbatches > 1 and self._comm.rank == 0:
+            normalising = [layer.name for layer in layers if isinstance(layer, keras.layers.BatchNormalization)]
+            if normalising:
+                warnings.warn(
+                    f"BatchNormalization layers {normalising} compute their statistics per micro-batch "
+                    f"({self.num_microbatches} per batch), so training differs from Sequential; use "
+                    "num_microbatches=1 or a normalisation without batch statistics (LayerNormalization).",
+                    stacklevel=3,
+                )
         start, stop = partition.stage_bounds(balance)[self.stage_index]
         own = layers[start:stop]
         x_spec = keras.KerasTensor(specs[start].input_shape, specs[start - 1].output_dtype if start else input_dtype)

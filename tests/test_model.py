@@ -1,0 +1,35 @@
+"""PipelineModel in one process (one rank): building, summary, warnings, weights."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from keras_pipe import PipelineConfigError, PipelineModel  # noqa: E402
+
+
+def test_batch_normalization_with_microbatches_warns():
+    model = PipelineModel(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()], num_microbatches=2
+    )
+    with pytest.warns(UserWarning, match="per micro-batch"):
+        model.build()
+
+
+def test_from_sequential_keeps_the_weights_and_layers():
+    sequential = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    model = PipelineModel.from_sequential(sequential, num_microbatches=3)
+    assert [type(layer).__name__ for layer in model.layers] == ["Dense", "Dense"]
+    for a, b in zip(model.get_weights(), sequential.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    x = np.random.default_rng(0).normal(size=(7, 5)).astype("float32")
+    np.testing.assert_allclose(model.predict(x, verbose=0), sequential.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_set_weights_checks_shapes():
+    model = PipelineModel([keras.Input((5,)), keras.layers.Dense(4)])
+    with pytest.raises(PipelineConfigError, match=r"weight 0 has shape \(4, 5\), expected \(5, 4\)"):
+        model.set_weights([np.zeros((4, 5)), np.zeros(4)])
