@@ -46,7 +46,7 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
     specs = []
     x = keras.KerasTensor(tuple(input_shape), input_dtype)
     for index, layer in enumerate(layers):
-        probe = _shadow(layer)
+        probe = shadow_copy(layer)
         try:
             with StatelessScope():
                 y = probe(x)
@@ -79,7 +79,7 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
     return specs
 
 
-def _shadow(layer: keras.layers.Layer) -> keras.layers.Layer:
+def shadow_copy(layer: keras.layers.Layer) -> keras.layers.Layer:
     """An unbuilt copy of ``layer`` to probe shapes on; the layer itself if it cannot be copied."""
     if layer.built and not layer.weights:
         return layer

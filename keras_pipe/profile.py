@@ -28,7 +28,7 @@ def layer_times(layers, specs, start: int, stop: int, rows: int, repeats: int = 
     """Median seconds of forward + backward of ``layers[start:stop]`` on ``rows`` samples each."""
     times = []
     for layer, spec in zip(layers[start:stop], specs[start:stop]):
-        clone = type(layer).from_config(layer.get_config()) if layer.weights or not layer.built else layer
+        clone = partition.shadow_copy(layer)
         shape = (rows,) + tuple(spec.input_shape[1:])
         dtype = tf.as_dtype(spec.input_dtype)
         x = tf.random.normal(shape, dtype=dtype) if dtype.is_floating else tf.zeros(shape, dtype)
