@@ -310,7 +310,7 @@ class PipelineModel(keras.Model):
         )
         if self.num_stages == 1:
             return y_pred
-        shape, dtype = stage.output_spec if stage.is_last else self._final_output_spec()
+        shape, dtype = self._final_output_spec()  # known on every rank, from the layer specs
         buffer = (
             y_pred.numpy()
             if stage.is_last
