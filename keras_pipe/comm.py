@@ -59,16 +59,46 @@ class Communicator:
     >>> comm.send(np.ones((4, 8), "float32"), dest=1, tag=TAG_ACTIVATION)  # doctest: +SKIP
     """
 
-    def __init__(self, comm: MPI.Comm | None = None, stall_timeout: float | None = None):
+    def __init__(self, comm: MPI.Comm | None = None, stall_timeout: float | None = None, parent=None):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.stall_timeout = stall_timeout_from_env() if stall_timeout is None else float(stall_timeout)
-        self.activity = "idle"  # what this rank is doing, for stall reports
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
-        self._replies: list[tuple[MPI.Request, np.ndarray]] = []
-        self._waiting_for = ""
+        # Stall reports always go over the parent (world) communicator, and
+        # what this rank is doing is one shared record, whichever of its
+        # communicators it is waiting on.
+        self._parent = parent
+        self._shared = parent._shared if parent is not None else _SharedState()
         self._debug = debug_enabled()
+
+    def split(self, color: int, key: int) -> Communicator:
+        """A communicator over the ranks passing the same ``color``, ordered by ``key`` (collective).
+
+        Its waits answer and send stall reports over this communicator, so a
+        rank stuck on any of them is reported with every rank of the job.
+        """
+        root = self._parent or self
+        return Communicator(self.comm.Split(color, key), self.stall_timeout, parent=root)
+
+    @property
+    def activity(self) -> str:
+        """What this rank is doing, for stall reports."""
+        return self._shared.activity
+
+    @activity.setter
+    def activity(self, text: str) -> None:
+        self._shared.activity = text
+
+    @property
+    def world_rank(self) -> int:
+        return (self._parent or self).rank
+
+    def world_rank_of(self, rank: int) -> int:
+        """The world rank of this communicator's ``rank`` (for messages users read)."""
+        if self._parent is None:
+            return rank
+        return MPI.Group.Translate_ranks(self.comm.Get_group(), [rank], self._parent.comm.Get_group())[0]
 
     # -- point to point -------------------------------------------------
 
@@ -92,7 +122,8 @@ class Communicator:
         row = dtype.itemsize * int(np.prod(trailing_shape, dtype=np.int64))
         if row == 0 or nbytes % row:
             raise ValueError(
-                f"rank {self.rank} received {nbytes} bytes from rank {source} (tag {tag}), which is not a whole "
+                f"rank {self.world_rank} received {nbytes} bytes from rank {self.world_rank_of(source)} (tag {tag}), "
+                f"which is not a whole "
                 f"number of rows of shape {tuple(trailing_shape)} and dtype {dtype.name}: the ranks disagree "
                 "on the model or the data."
             )
@@ -106,7 +137,10 @@ class Communicator:
         """Receives an array whose whole shape is known (scalars included)."""
         flat = self.recv(source, tag, (), dtype)
         if flat.size != int(np.prod(shape, dtype=np.int64)):
-            raise ValueError(f"rank {self.rank} expected {shape} from rank {source}, got {flat.size} values")
+            raise ValueError(
+                f"rank {self.world_rank} expected {shape} from rank {self.world_rank_of(source)}"
+                f", got {flat.size} values"
+            )
         return flat.reshape(shape)
 
     def progress(self) -> None:
@@ -130,6 +164,37 @@ class Communicator:
         request = self.comm.Iallreduce(send, recv, op=MPI.SUM)
         self._wait_for(lambda: request.Test(), "the other ranks to finish the step (allreduce)")
         return recv
+
+    def start_allreduce_sum(self, arrays: list[np.ndarray]) -> list:
+        """Starts summing each array in place over all ranks; :meth:`wait_all` finishes.
+
+        One non-blocking all-reduce per array, started in the given order, so
+        MPI moves the first while the caller prepares the rest.
+        """
+        requests = []
+        for array in arrays:
+            if not array.flags.c_contiguous or not array.flags.writeable:
+                raise ValueError("start_allreduce_sum needs writable contiguous arrays")
+            requests.append(self.comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM))
+        return requests
+
+    def wait_all(self, requests: list, what: str) -> None:
+        """Waits (sleeping, with stall reports) until every request has completed."""
+        self._wait_for(lambda: MPI.Request.Testall(requests), what)
+
+    def allgather_rows(self, array: np.ndarray, counts: list[int]) -> np.ndarray:
+        """Concatenates each rank's ``array`` (``counts[rank]`` rows, the same trailing shape) in rank order."""
+        array = np.ascontiguousarray(array)
+        row = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
+        gathered = np.empty((sum(counts),) + array.shape[1:], array.dtype)
+        sizes = np.asarray(counts, np.int64) * row
+        displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        request = self.comm.Iallgatherv(
+            [array.reshape(-1).view(np.uint8), MPI.BYTE],
+            [gathered.reshape(-1).view(np.uint8), (sizes, displacements), MPI.BYTE],
+        )
+        self._wait_for(request.Test, "the other replicas (allgather)")
+        return gathered
 
     def allgather_json(self, obj) -> list:
         """Every rank's JSON-serialisable ``obj``, in rank order (no pickling)."""
@@ -157,7 +222,7 @@ class Communicator:
 
     def bcast_array(self, array: np.ndarray, root: int) -> np.ndarray:
         """Broadcasts an array whose shape and dtype every rank already knows."""
-        array = np.ascontiguousarray(array)
+        array = np.ascontiguousarray(array).reshape(np.shape(array))  # (ascontiguousarray makes 0-d arrays 1-d)
         request = self.comm.Ibcast([array.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
         self._wait_for(lambda: request.Test(), f"a broadcast from rank {root}")
         return array
@@ -175,25 +240,27 @@ class Communicator:
             return result
         start = time.monotonic()
         sleep = 0.0
-        self._waiting_for = what
-        self._wait_started = start
+        shared = self._shared
+        shared.waiting_for = what
+        shared.wait_started = start
+        root = self._parent or self
         next_status_check = start + 0.1
         while True:
             result = poll()
             if result:
-                self._waiting_for = ""
+                shared.waiting_for = ""
                 return result
             now = time.monotonic()
             waited = now - start
             if now > next_status_check:
-                self.answer_status_requests()
+                root.answer_status_requests()
                 next_status_check = now + 0.1
             if waited > self.stall_timeout:
                 raise PipelineStallError(
-                    f"rank {self.rank} waited {waited:.0f} s for {what} while {self.activity}; the stall "
+                    f"rank {root.rank} waited {waited:.0f} s for {what} while {self.activity}; the stall "
                     f"timeout is {self.stall_timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or PipelineModel("
                     "stall_timeout=...)). A rank is stuck or has died. What each rank was doing:\n"
-                    + self.stall_report()
+                    + root.stall_report()
                 )
             if waited > _SPIN_S:
                 ceiling = next(longest for below, longest in _SLEEP_CEILINGS if waited < below)
@@ -203,10 +270,11 @@ class Communicator:
     # -- stall reports --------------------------------------------------
 
     def _status(self) -> dict:
-        status = {"rank": self.rank, "doing": self.activity}
-        if self._waiting_for:
-            status["waiting_for"] = self._waiting_for
-            status["waited_s"] = round(time.monotonic() - self._wait_started, 1)
+        shared = self._shared
+        status = {"rank": self.rank, "doing": shared.activity}
+        if shared.waiting_for:
+            status["waiting_for"] = shared.waiting_for
+            status["waited_s"] = round(time.monotonic() - shared.wait_started, 1)
         return status
 
     def answer_status_requests(self) -> None:
@@ -216,8 +284,8 @@ class Communicator:
             source = status.Get_source()
             self.comm.Recv(np.empty(1, np.int64), source=source, tag=TAG_STATUS_REQUEST)
             reply = np.frombuffer(json.dumps(self._status()).encode(), np.uint8).copy()
-            self._replies.append((self.comm.Isend(reply, dest=source, tag=TAG_STATUS_REPLY), reply))
-        self._replies = [(r, a) for r, a in self._replies if not r.Test()]
+            self._shared.replies.append((self.comm.Isend(reply, dest=source, tag=TAG_STATUS_REPLY), reply))
+        self._shared.replies = [(r, a) for r, a in self._shared.replies if not r.Test()]
 
     def stall_report(self) -> str:
         """Asks every other rank what it is doing; one line per rank (silent ranks marked)."""
@@ -256,7 +324,17 @@ class Communicator:
 
     def _log(self, text: str) -> None:
         if self._debug:
-            print(f"[keras_pipe rank {self.rank}] {text} ({self.activity})", file=sys.stderr, flush=True)
+            print(f"[keras_pipe rank {self.world_rank}] {text} ({self.activity})", file=sys.stderr, flush=True)
+
+
+class _SharedState:
+    """What one process is doing, shared by all of its communicators."""
+
+    def __init__(self):
+        self.activity = "idle"
+        self.waiting_for = ""
+        self.wait_started = 0.0
+        self.replies: list = []
 
 
 def _describe(array: np.ndarray) -> str:

@@ -34,6 +34,7 @@ def model_fingerprint(model) -> dict:
     layers = [_layer_summary(i, layer) for i, layer in enumerate(model.layers)]
     fingerprint = {
         "layers": layers,
+        "stages x replicas": [model.num_stages, model.num_replicas],
         "balance": list(model.balance or []),
         "num_microbatches": model.num_microbatches,
         "schedule": model.schedule,
@@ -122,26 +123,42 @@ class StepAgreement:
 
     One small all-gather per step: a rank whose data ran out, or that moved
     on to another call, is found at once instead of leaving its neighbours
-    waiting.
+    waiting. With replicas, the ranks that read inputs (``data_ranks``, the
+    first stages) also compare a digest of their batch: replicas train on
+    shares of one global batch, so they must all have read the same one.
     """
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, data_ranks: list[int] | None = None):
         self.comm = comm
         self.call = 0
+        self.data_ranks = list(data_ranks or [])
 
     def begin_call(self) -> None:
         self.call += 1
         self.step = 0
 
-    def agree(self, phase: str, has_data: bool, batch_size: int) -> None:
-        header = np.array([PHASES[phase], self.call, self.step, int(has_data), batch_size], np.int64)
+    def agree(self, phase: str, has_data: bool, batch_size: int, digest: int = 0) -> None:
+        header = np.array([PHASES[phase], self.call, self.step, int(has_data), batch_size, digest], np.int64)
         self.comm.activity = f"{phase} step {self.step}: checking that every rank has a batch"
         everyone = self.comm.allgather_array(header)
         self.step += 1
-        if (everyone == everyone[0]).all():
-            return
+        if (everyone[:, :5] == everyone[0, :5]).all():
+            digests = {int(everyone[rank, 5]) for rank in self.data_ranks}
+            if len(digests) <= 1:
+                return
+            raise mark_collective(
+                RankMismatchError(
+                    f"the replicas read different batches at {_PHASE_NAMES[int(header[0])]} step {self.step - 1} "
+                    f"(batch digests of the first stages, ranks {self.data_ranks}: "
+                    f"{[format(int(everyone[r, 5]) & 0xFFFFFFFF, '08x') for r in self.data_ranks]}). Each replica "
+                    "trains on its share of one global batch, so every rank must read the same batches in the "
+                    "same order: give every rank the same data, and shuffle alike (fit() seeds TensorFlow's "
+                    "shuffling on every rank when no global seed is set; a tf.data pipeline or generator must "
+                    "use a fixed seed), or pass shuffle=False."
+                )
+            )
         rows = []
-        for rank, (code, call, step, data, size) in enumerate(everyone.tolist()):
+        for rank, (code, call, step, data, size, _) in enumerate(everyone.tolist()):
             state = f"{_PHASE_NAMES.get(code, code)}, call {call}, step {step}, " + (
                 f"batch of {size}" if data else "no more data"
             )
@@ -173,6 +190,26 @@ COMPARED_ARGUMENTS = (
     "steps",
     "class_weight",
 )
+
+
+def batch_digest(data) -> int:
+    """An order-sensitive digest of a batch's inputs and targets, as an int64."""
+    digest = hashlib.blake2b(digest_size=8)
+    for item in _flatten(data):
+        array = np.ascontiguousarray(item.numpy() if hasattr(item, "numpy") else np.asarray(item))
+        digest.update(str((array.shape, array.dtype.str)).encode())
+        digest.update(array.reshape(-1).view(np.uint8))
+    return int(np.frombuffer(digest.digest(), np.int64)[0])
+
+
+def _flatten(data):
+    if data is None:
+        return []
+    if isinstance(data, (list, tuple)):
+        return [leaf for item in data for leaf in _flatten(item)]
+    if isinstance(data, dict):
+        return [leaf for key in sorted(data) for leaf in _flatten(data[key])]
+    return [data]
 
 
 def describe_argument(value):

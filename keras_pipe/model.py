@@ -20,12 +20,14 @@ from keras_pipe.comm import Communicator
 from keras_pipe.consistency import (
     COMPARED_ARGUMENTS,
     StepAgreement,
+    batch_digest,
     check_same_everywhere,
     describe_argument,
     model_fingerprint,
 )
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
+from keras_pipe.layout import Layout, host_name, replica_bounds
 from keras_pipe.profile import balance_by_time
 from keras_pipe.schedule import SCHEDULES
 from keras_pipe.stage import Stage
@@ -76,6 +78,12 @@ class PipelineModel(keras.Model):
         schedule: ``"1f1b"`` (default; at most ``P - s`` micro-batches of
             activations alive on stage ``s``) or ``"gpipe"`` (all forwards,
             then all backwards). Both give the same training result.
+        num_stages: stages per pipeline. With ``W`` ranks, ``W / num_stages``
+            replicas of the pipeline each train on their share of every
+            batch and sum their gradients before each update (data
+            parallelism); ``None`` (default) means one pipeline over every
+            rank. Each pipeline's ranks sit on one host where possible (see
+            :mod:`keras_pipe.layout`).
         stall_timeout: seconds a rank may wait for a neighbour before the job
             is ended with a report; default ``KERAS_PIPE_STALL_TIMEOUT`` or 600.
         name: the model's name.
@@ -89,25 +97,40 @@ class PipelineModel(keras.Model):
         num_microbatches: int | None = None,
         balance: Sequence[int] | str | None = None,
         schedule: str = "1f1b",
+        num_stages: int | None = None,
         stall_timeout: float | None = None,
         name: str | None = None,
         trainable: bool = True,
     ):
         super().__init__(name=name, trainable=trainable)
         comm = Communicator(stall_timeout=stall_timeout)
+        hosts = comm.allgather_json(host_name()) if comm.size > 1 else [host_name()]
+        try:
+            layout = Layout.from_hosts(hosts, num_stages)
+        except PipelineConfigError as error:
+            raise mark_collective(error) from None
+        replica, stage_index = layout.replica_of(comm.rank), layout.stage_of(comm.rank)
         # Bookkeeping that Keras must not track as sub-layers: only this
         # rank's stage layers are tracked, so `weights`, the optimizer and
-        # saving see this rank's variables only.
+        # saving see this rank's variables only. `_comm` spans every rank,
+        # `_pipe` this rank's pipeline (rank = stage), `_replicas` the ranks
+        # holding the same stage (rank = replica; None with one replica).
         object.__setattr__(self, "_pipeline_layers", [])
         object.__setattr__(self, "_comm", comm)
+        object.__setattr__(self, "_layout", layout)
+        single = layout.num_replicas == 1 and layout.pipelines[0] == list(range(comm.size))
+        object.__setattr__(self, "_pipe", comm if single else comm.split(replica, stage_index))
+        object.__setattr__(self, "_replicas", comm.split(stage_index, replica) if layout.num_replicas > 1 else None)
         object.__setattr__(self, "_stage", None)
         object.__setattr__(self, "_specs", None)
         self._input_shape_dtype = None
         self._balance_option = balance
-        self.num_stages = comm.size
-        self.stage_index = comm.rank
+        self.num_stages = layout.num_stages
+        self.stage_index = stage_index
+        self.num_replicas = layout.num_replicas
+        self.replica_index = replica
         if num_microbatches is None:
-            num_microbatches = 1 if comm.size == 1 else 2 * comm.size
+            num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
             raise mark_collective(
                 PipelineConfigError(
@@ -126,7 +149,8 @@ class PipelineModel(keras.Model):
         self._last_batch_size = None
         self._loss_reduction = None
         self._log_layouts: dict = {}
-        object.__setattr__(self, "_steps", StepAgreement(comm))
+        first_stages = [pipeline[0] for pipeline in layout.pipelines] if layout.num_replicas > 1 else []
+        object.__setattr__(self, "_steps", StepAgreement(comm, data_ranks=first_stages))
         for item in layers or []:
             self.add(item)
 
@@ -209,12 +233,13 @@ class PipelineModel(keras.Model):
                 balance = partition.balance_by_params(specs, self.num_stages)
             elif isinstance(self._balance_option, str) and self._balance_option == "time":
                 rows = max(1, int(x.shape[0]) // self.num_microbatches) if x is not None else 32
-                balance = balance_by_time(layers, specs, self.num_stages, self._comm, rows)
+                balance = balance_by_time(layers, specs, self.num_stages, self._comm, self.stage_index, rows)
             else:
                 balance = partition.check_balance(self._balance_option, len(layers), self.num_stages)
         except PipelineConfigError as error:
             raise mark_collective(error) from None
         if self.num_microbatches > 1 and self._comm.rank == 0:
+            # (with replicas, statistics are also per replica, as in any data-parallel Keras)
             normalising = [layer.name for layer in layers if isinstance(layer, keras.layers.BatchNormalization)]
             if normalising:
                 warnings.warn(
@@ -239,10 +264,32 @@ class PipelineModel(keras.Model):
             self.num_stages,
             input_spec=(x_spec.shape, x_spec.dtype),
             output_spec=(out.shape, out.dtype),
-            comm=self._comm,
+            comm=self._pipe,
+            replicas=self._replicas,
         )
         object.__setattr__(self, "_stage", stage)
         self.built = True
+        self._sync_replicas()
+
+    def _sync_replicas(self, optimizer: bool = False) -> None:
+        """Gives every replica of this stage the first replica's weights (collective; no-op with one).
+
+        With ``optimizer=True``, the optimizer's state too (after loading).
+        """
+        if self._replicas is None or self._stage is None:
+            return
+        self._comm.activity = "copying the first replica's weights to the other replicas"
+        variables = [v for layer in self._stage.layers for v in layer.weights]
+        if optimizer and self._replicas.bcast_json(
+            bool(self.compiled and self.optimizer is not None and self.optimizer.built), root=0
+        ):
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
+            variables += list(self.optimizer.variables)
+        for variable in variables:
+            value = self._replicas.bcast_array(np.array(variable.numpy()), root=0)
+            if self.replica_index:
+                variable.assign(value)
 
     def _require_built(self) -> None:
         if self._stage is None:
@@ -306,8 +353,18 @@ class PipelineModel(keras.Model):
         stage = self._stage
         batch_size = int(x.shape[0])
         _, y_pred = stage.run_batch(
-            self, x, None, batch_size, self.num_microbatches, None, training=False, with_loss=False
+            self,
+            x,
+            None,
+            batch_size,
+            self.num_microbatches,
+            None,
+            training=False,
+            with_loss=False,
+            rows=self._replica_rows(batch_size),
         )
+        if stage.is_last:
+            y_pred = self._gather_replicas(y_pred, batch_size)
         if self.num_stages == 1:
             return y_pred
         shape, dtype = self._final_output_spec()  # known on every rank, from the layer specs
@@ -316,7 +373,18 @@ class PipelineModel(keras.Model):
             if stage.is_last
             else np.empty((batch_size,) + tuple(shape[1:]), tf.as_dtype(dtype).as_numpy_dtype)
         )
-        return tf.convert_to_tensor(self._comm.bcast_array(buffer, root=self.num_stages - 1))
+        return tf.convert_to_tensor(self._pipe.bcast_array(buffer, root=self.num_stages - 1))
+
+    def _replica_rows(self, batch_size: int) -> tuple[int, int]:
+        """This replica's share of a global batch."""
+        return replica_bounds(batch_size, self.num_replicas)[self.replica_index]
+
+    def _gather_replicas(self, y_pred, batch_size: int):
+        """Last stage: the whole global batch's predictions, from every replica's share, in order."""
+        if self._replicas is None:
+            return y_pred
+        counts = [stop - start for start, stop in replica_bounds(batch_size, self.num_replicas)]
+        return tf.convert_to_tensor(self._replicas.allgather_rows(y_pred.numpy(), counts))
 
     def _final_output_spec(self):
         last = self._specs[-1]
@@ -343,10 +411,22 @@ class PipelineModel(keras.Model):
         stage.eager = self.run_eagerly
         stage.loss_reduction = self._loss_reduction
         loss_part, y_pred = stage.run_batch(
-            self, x, targets, batch_size, self.num_microbatches, self.schedule, training=training, with_loss=True
+            self,
+            x,
+            targets,
+            batch_size,
+            self.num_microbatches,
+            self.schedule,
+            training=training,
+            with_loss=True,
+            rows=self._replica_rows(batch_size),
         )
         metrics = {}
         if stage.is_last and self._compile_metrics is not None:
+            # Every replica's last stage updates its metrics with the whole
+            # global batch, so metrics are exact (not averages of averages)
+            # and the same on every replica.
+            y_pred = self._gather_replicas(y_pred, batch_size)
             stage.update_metrics(self._compile_metrics, y, y_pred, sample_weight)
             metrics = self._metric_results()
         return self._sync_logs("train" if training else "test", loss_part, batch_size, metrics)
@@ -364,16 +444,22 @@ class PipelineModel(keras.Model):
         return results
 
     def _sync_logs(self, kind: str, loss_part: float, batch_size: int, metrics: dict) -> dict:
-        """Sums every stage's loss share and spreads the last stage's metrics, so all ranks log the same."""
-        last = self.num_stages - 1
+        """Sums every rank's loss share and spreads the last stage's metrics, so all ranks log the same.
+
+        Each replica's loss shares are already weighted by their samples'
+        share of the global batch, so the sum over every rank is the global
+        batch's loss; the metrics come from the first replica's last stage.
+        """
+        last = self._layout.rank_of(0, self.num_stages - 1)
+        is_last = self._comm.rank == last
         if kind not in self._log_layouts:
             layout = [[name, list(np.shape(value))] for name, value in metrics.items()]
-            self._log_layouts[kind] = self._comm.bcast_json(layout if self.stage_index == last else None, root=last)
+            self._log_layouts[kind] = self._comm.bcast_json(layout if is_last else None, root=last)
         layout = self._log_layouts[kind]
-        values = [loss_part, float(batch_size) if self.stage_index == 0 else 0.0]
+        values = [loss_part, float(batch_size) if self._comm.rank == 0 else 0.0]
         for name, shape in layout:
             size = int(np.prod(shape, dtype=np.int64))
-            values.extend(np.ravel(metrics[name]).tolist() if self.stage_index == last else [0.0] * size)
+            values.extend(np.ravel(metrics[name]).tolist() if is_last else [0.0] * size)
         self._comm.activity = f"{kind} step {self._stage.step - 1}: sharing the logs"
         began = time.perf_counter()
         summed = self._comm.allreduce_sum(np.asarray(values, np.float64))
@@ -417,7 +503,7 @@ class PipelineModel(keras.Model):
             def predict_function(data):
                 outputs = []
                 for step_data in data:
-                    self._steps.agree("predict", True, _batch_size(step_data))
+                    self._steps.agree("predict", True, _batch_size(step_data), self._digest(step_data))
                     outputs.append(self.predict_step(step_data))
                 return outputs[0] if len(outputs) == 1 else tf.concat(outputs, axis=0)
 
@@ -435,7 +521,7 @@ class PipelineModel(keras.Model):
                     data = next(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
                     data = None
-                self._steps.agree(phase, data is not None, 0 if data is None else _batch_size(data))
+                self._steps.agree(phase, data is not None, 0 if data is None else _batch_size(data), self._digest(data))
                 if data is None:
                     if logs is None:
                         raise StopIteration from None
@@ -445,12 +531,22 @@ class PipelineModel(keras.Model):
 
         return function
 
+    def _digest(self, data) -> int:
+        """With replicas, a first stage's digest of its batch (compared between replicas); else 0."""
+        if data is None or self.num_replicas == 1 or self.stage_index != 0:
+            return 0
+        return batch_digest(unpack_x_y_sample_weight(data))
+
     # -- fit / evaluate / predict ---------------------------------------------
 
     def fit(self, *args, **kwargs):
         """As ``keras.Model.fit``, pipelined; every rank gets the same ``History``."""
         with fail_fast("fit()"):
             arguments = self._begin_call("fit", keras.Model.fit, args, kwargs)
+            if self.num_replicas > 1:
+                if arguments.get("shuffle", True):
+                    self._seed_shuffling()
+                self._sync_replicas()  # replicas start from the same weights, as Horovod's broadcast does
             history = super().fit(**arguments)
             self._steps.agree("end", False, 0)
             return history
@@ -470,6 +566,20 @@ class PipelineModel(keras.Model):
             result = super().predict(**arguments)
             self._steps.agree("end", False, 0)
             return result
+
+    def _seed_shuffling(self) -> None:
+        """Makes every rank's ``shuffle=True`` draw the same order (replicas share each global batch).
+
+        Keras shuffles arrays with ``tf.random.shuffle`` under TensorFlow's
+        global seed; without one, each process draws its own order. If the
+        script set no seed, rank 0 draws one and every rank sets it.
+        """
+        from tensorflow.python.eager import context
+
+        unseeded = context.global_seed() is None
+        if all(self._comm.allgather_json(unseeded)):
+            seed = int(np.random.default_rng().integers(2**31 - 1)) if self._comm.rank == 0 else None
+            tf.random.set_seed(self._comm.bcast_json(seed, root=0))
 
     def _begin_call(self, name: str, method, args, kwargs) -> dict:
         """Binds the call's arguments, checks that every rank made the same call; only rank 0 shows progress."""
@@ -498,12 +608,13 @@ class PipelineModel(keras.Model):
         weights = []
         for stage, (start, stop) in enumerate(partition.stage_bounds(self._balance)):
             layouts = [w for spec in self._specs[start:stop] for w in spec.weight_shapes]
-            if stage == self.stage_index:
+            if stage == self.stage_index and self.replica_index == 0:
                 local = [np.asarray(v.numpy()) for layer in self._stage.layers for v in layer.weights]
             else:
                 local = [np.empty(shape, dtype) for shape, dtype in layouts]
-            if self.num_stages > 1:
-                local = [self._comm.bcast_array(array, root=stage) for array in local]
+            if self._comm.size > 1:
+                owner = self._layout.rank_of(0, stage)
+                local = [self._comm.bcast_array(array, root=owner) for array in local]
             weights.extend(local)
         return weights
 
@@ -612,12 +723,17 @@ class PipelineModel(keras.Model):
         if self._comm.rank != 0:
             return
         print_fn = print_fn or (lambda line: print(line, file=sys.stdout))
+        replicas = f" x {self.num_replicas} replicas" if self.num_replicas > 1 else ""
         print_fn(
-            f'PipelineModel "{self.name}": {self.num_stages} stages, '
+            f'PipelineModel "{self.name}": {self.num_stages} stages{replicas}, '
             f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
         )
         for line in partition.summary_lines(self._specs, self._balance):
             print_fn(line)
+        if self._comm.size > 1:
+            print_fn("Ranks:")
+            for line in self._layout.describe():
+                print_fn("  " + line)
 
 
 def _batch_size(data) -> int:

@@ -56,13 +56,22 @@ def layer_times(layers, specs, start: int, stop: int, rows: int, repeats: int = 
 
 
 def balance_by_time(
-    layers: Sequence[keras.layers.Layer], specs, num_stages: int, comm: Communicator, rows: int
+    layers: Sequence[keras.layers.Layer], specs, num_stages: int, comm: Communicator, stage: int, rows: int
 ) -> list[int]:
-    """Layers per stage balancing measured forward + backward time; the same on every rank."""
+    """Layers per stage balancing measured forward + backward time; the same on every rank.
+
+    Each rank times the layers of its ``stage`` in a parameter-balanced
+    split; with replicas, a stage's time is the mean over its replicas, so
+    every rank of ``comm`` computes the same split.
+    """
     provisional = partition.stage_bounds(partition.balance_by_params(specs, num_stages))
-    start, stop = provisional[comm.rank]
+    start, stop = provisional[stage]
     mine = layer_times(list(layers), specs, start, stop, rows)
-    every = [t for times in comm.allgather_json(mine) for t in times]
+    measured = comm.allgather_json([stage, mine])
+    every = []
+    for s in range(num_stages):
+        replicas = [times for owner, times in measured if owner == s]
+        every.extend(float(np.mean(column)) for column in zip(*replicas))
     # Layers that take no measurable time still cost a little (a copy), so
     # that every stage gets at least one layer and ties spread out.
     floor = 1e-6 + 1e-3 * float(np.mean(every))

@@ -133,8 +133,13 @@ def skeleton(model) -> keras.Sequential:
 
 
 def to_sequential(model) -> keras.Sequential | None:
-    """The whole model as a ``keras.Sequential`` on rank 0 (``None`` elsewhere); collective."""
-    comm = model._comm
+    """The whole model as a ``keras.Sequential`` on rank 0 (``None`` elsewhere); collective.
+
+    With replicas, the first replica's pipeline gathers (the others hold the same weights).
+    """
+    if model.replica_index != 0:
+        return None
+    comm = model._pipe
     stage = model._stage
     gathered = gather_to_root(comm, [v.numpy() for layer in stage.layers for v in layer.weights])
     offset = _first_trainable_index(model)
@@ -160,8 +165,17 @@ def to_sequential(model) -> keras.Sequential | None:
 
 
 def load_into(model, sequential: keras.Sequential | None) -> None:
-    """Gives every stage its weights (and optimizer state) from ``sequential`` on rank 0; collective."""
-    comm = model._comm
+    """Gives every stage its weights (and optimizer state) from ``sequential`` on rank 0; collective.
+
+    The first replica's pipeline receives them from rank 0, then passes them to the other replicas.
+    """
+    if model.replica_index == 0:
+        _load_pipeline(model, sequential)
+    model._sync_replicas(optimizer=True)
+
+
+def _load_pipeline(model, sequential: keras.Sequential | None) -> None:
+    comm = model._pipe
     bounds = partition.stage_bounds(model.balance)
     per_rank = None
     if comm.rank == ROOT:

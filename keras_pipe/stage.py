@@ -32,16 +32,30 @@ class Stage:
         num_stages: how many stages the pipeline has.
         input_spec: ``(shape, dtype)`` of the stage input, batch dimension ``None``.
         output_spec: ``(shape, dtype)`` of the stage output.
-        comm: the communicator.
+        comm: the pipeline's communicator (rank = stage index).
+        replicas: the communicator of this stage's replicas (rank = replica
+            index), over which gradients are summed before each update;
+            ``None`` with one replica.
     """
 
-    def __init__(self, layers, index, num_stages, input_spec, output_spec, comm: Communicator):
+    def __init__(
+        self,
+        layers,
+        index,
+        num_stages,
+        input_spec,
+        output_spec,
+        comm: Communicator,
+        replicas: Communicator | None = None,
+    ):
         self.layers = list(layers)
         self.index = index
         self.num_stages = num_stages
         self.input_spec = input_spec
         self.output_spec = output_spec
         self.comm = comm
+        self.replicas = replicas
+        self.replica_index = replicas.rank if replicas is not None else 0
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.trainable_variables = [v for layer in self.layers for v in layer.trainable_weights]
@@ -222,7 +236,9 @@ class Stage:
 
     # -- one batch ------------------------------------------------------
 
-    def run_batch(self, model, x, targets, batch_size, num_microbatches, schedule_name, training, with_loss=True):
+    def run_batch(
+        self, model, x, targets, batch_size, num_microbatches, schedule_name, training, with_loss=True, rows=None
+    ):
         """Runs one batch through this stage following the schedule.
 
         Args:
@@ -234,15 +250,23 @@ class Stage:
             schedule_name: ``"1f1b"``/``"gpipe"`` when training, ignored otherwise.
             training: run backward passes and accumulate gradients.
             with_loss: compute this stage's loss share (``False`` for predict).
+            rows: ``(start, stop)``, this replica's share of the batch (all of it by default).
 
         Returns:
             ``(loss_part, y_pred)``: this stage's share of the batch loss (data loss
             on the last stage, regularization everywhere) and, on the last stage,
-            the predictions of the whole batch.
+            the predictions of this replica's share of the batch.
         """
-        bounds = microbatch_bounds(batch_size, num_microbatches)
+        first_row, last_row = rows if rows is not None else (0, batch_size)
+        bounds = (
+            [(first_row + a, first_row + b) for a, b in microbatch_bounds(last_row - first_row, num_microbatches)]
+            if last_row > first_row
+            else []  # a replica with no share of a batch smaller than the number of replicas
+        )
         m = len(bounds)
-        if training:
+        if m == 0:
+            actions = []
+        elif training:
             actions = schedules.make_schedule(schedule_name, self.num_stages, m)[self.index]
         else:
             actions = schedules.forward_only(self.num_stages, m)[self.index]
@@ -337,7 +361,8 @@ class Stage:
             self.comm.progress()
             position += 1
 
-        if self._has_weight_regularizers and with_loss:
+        if self._has_weight_regularizers and with_loss and self.replica_index == 0:
+            # Counted once per batch: by the first replica (the others' share is 0).
             if training:
                 reg_loss, reg_grads = self.weight_regularization_and_gradients()
                 self.accumulate(reg_grads, first=not accumulated)
@@ -345,6 +370,11 @@ class Stage:
             else:
                 reg_loss = self.weight_regularization()
             loss_part += float(reg_loss)
+        if training and self.replicas is not None and self.trainable_variables:
+            if not accumulated:  # no share of this batch: contribute zeros
+                self.accumulate([tf.zeros(v.shape, v.dtype) for v in self.trainable_variables], first=True)
+                accumulated = True
+            self.sum_over_replicas()
         if training and accumulated:
             self.comm.activity = f"train step {self.step}, stage {self.index}: optimizer update"
             began = time.perf_counter()
@@ -353,8 +383,30 @@ class Stage:
                 self.trainable_variables[0].numpy()
             self._span("optimizer", -1, began)
         self.step += 1
-        y_pred = tf.concat(predictions, axis=0) if self.is_last else None
+        y_pred = None
+        if self.is_last:
+            shape, dtype = self.output_spec
+            y_pred = tf.concat(predictions, axis=0) if predictions else tf.zeros((0,) + tuple(shape[1:]), dtype)
         return loss_part, y_pred
+
+    def sum_over_replicas(self) -> None:
+        """Sums the accumulated gradients over this stage's replicas, in place.
+
+        Every replica scaled its micro-batches' losses by their share of the
+        global batch, so the sum is the global batch's gradient, as
+        ``Sequential`` computes it. Called as soon as this stage's last
+        backward is done: the last stage reduces while the stages before it
+        still run their final backwards.
+        """
+        self.comm.activity = f"train step {self.step}, stage {self.index}: summing gradients over replicas"
+        began = time.perf_counter()
+        accumulators = self._accumulators()
+        arrays = [np.ascontiguousarray(a.numpy()) for a in reversed(accumulators)]  # last layers' first
+        requests = self.replicas.start_allreduce_sum(arrays)
+        self.replicas.wait_all(requests, "the other replicas of this stage (gradient allreduce)")
+        for accumulator, array in zip(reversed(accumulators), arrays):
+            accumulator.assign(array)
+        self._span("allreduce", -1, began)
 
     def _loss_scales(self, sample_weight, start, stop, batch_size):
         """``(data, activity)`` weights of micro-batch ``[start, stop)`` in the batch's loss."""
@@ -387,7 +439,8 @@ class Stage:
         array = self.comm.recv(source, tag, tuple(shape[1:]), tf.as_dtype(dtype).as_numpy_dtype)
         if array.shape[0] != rows:
             raise RankMismatchError(
-                f"rank {self.comm.rank} expected a micro-batch of {rows} samples from rank {source} but got "
+                f"rank {self.comm.world_rank} expected a micro-batch of {rows} samples from rank "
+                f"{self.comm.world_rank_of(source)} but got "
                 f"{array.shape[0]}: the ranks were given batches of different sizes. Give every rank the same "
                 "data sizes and batch_size."
             )
@@ -413,7 +466,8 @@ class Stage:
             array = self.comm.recv(0, TAG_TARGETS, like.shape[1:], like.dtype)
             if array.shape[0] != batch_size:
                 raise RankMismatchError(
-                    f"rank {self.comm.rank} has a batch of {batch_size} samples but rank 0 sent targets for "
+                    f"rank {self.comm.world_rank} has a batch of {batch_size} samples but rank "
+                    f"{self.comm.world_rank_of(0)} sent targets for "
                     f"{array.shape[0]}: the ranks were given different data. Give every rank the same data "
                     "sizes and batch_size."
                 )

@@ -1,0 +1,148 @@
+"""Replicas of a pipeline train as one keras.Sequential on the global batch.
+
+Run as ``mpirun -n W python replicas.py``: for every ``num_stages`` that
+divides ``W`` and leaves at least two replicas, training (with sample
+weights, regularizers, a validation split and a final batch smaller than the
+number of replicas), evaluate and predict equal single-process Sequential;
+then saving, loading with another layout, shuffling, the replicas'
+batch check and the layout shown by ``summary()``. Prints one
+``REPLICAS OK`` per rank.
+"""
+
+import os
+import sys
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+from common import RANK, SIZE, assert_close, compile_args, data, layers
+from mpi4py import MPI
+
+import keras_pipe
+from keras_pipe import PipelineModel, RankMismatchError
+
+x, y, sw = data(n=203)
+x_test, y_test, _ = data(n=57, seed=1)
+# 203 samples, 10% for validation: 182 to train = 5 x 32 + 22; and 33 = 32 + 1,
+# a last batch of one sample, so some replicas get no share of it.
+fit_args = dict(batch_size=32, epochs=2, shuffle=False, validation_split=0.1, verbose=0)
+
+keras.utils.set_random_seed(7)
+reference = keras.Sequential(layers())
+initial = reference.get_weights()
+
+
+def sequential_run(x_fit, y_fit, sw_fit, **overrides):
+    model = keras.Sequential(layers())
+    model.set_weights(initial)
+    model.compile(**compile_args())
+    history = model.fit(x_fit, y_fit, sample_weight=sw_fit, **{**fit_args, **overrides}).history
+    return model, history
+
+
+expected_model, expected = sequential_run(x, y, sw)
+expected_eval = expected_model.evaluate(x_test, y_test, verbose=0)
+expected_pred = expected_model.predict(x_test, verbose=0)
+tiny_model, tiny_expected = sequential_run(x[:33], y[:33], sw[:33], validation_split=0.0)
+tiny_pred = tiny_model.predict(x_test[:3], batch_size=2, verbose=0)
+
+
+def check_same_across_replicas(model, what):
+    """Every replica of a stage holds bit-identical weights."""
+    local = np.concatenate([np.ravel(w.numpy()) for layer in model.stage_layers for w in layer.weights])
+    everyone = MPI.COMM_WORLD.allgather((model.stage_index, local))
+    for stage, weights in everyone:
+        if stage == model.stage_index:
+            assert np.array_equal(weights, local), f"rank {RANK}: {what}: replicas of stage {stage} differ"
+
+
+checked = 0
+for num_stages in [s for s in range(1, SIZE + 1) if SIZE % s == 0 and SIZE // s > 1]:
+    for m in (1, 3):
+        what = f"{num_stages} stages x {SIZE // num_stages} replicas, m={m}"
+        model = PipelineModel(layers(), num_stages=num_stages, num_microbatches=m)
+        assert (model.num_stages, model.num_replicas) == (num_stages, SIZE // num_stages), what
+        model.set_weights(initial)
+        model.compile(**compile_args())
+        history = model.fit(x, y, sample_weight=sw, **fit_args).history
+        assert sorted(history) == sorted(expected), (what, sorted(history), sorted(expected))
+        for key in expected:
+            assert_close(history[key], expected[key], f"{what} history {key}")
+        for i, (a, b) in enumerate(zip(model.get_weights(), expected_model.get_weights())):
+            assert_close(a, b, f"{what} weight {i}")
+        check_same_across_replicas(model, what)
+        assert_close(model.evaluate(x_test, y_test, verbose=0), expected_eval, f"{what} evaluate")
+        assert_close(model.predict(x_test, verbose=0), expected_pred, f"{what} predict")
+
+        # A last batch of one sample: the replicas without a share contribute zeros.
+        tiny = PipelineModel(layers(), num_stages=num_stages, num_microbatches=m)
+        tiny.set_weights(initial)
+        tiny.compile(**compile_args())
+        history = tiny.fit(x[:33], y[:33], sample_weight=sw[:33], **{**fit_args, "validation_split": 0.0}).history
+        for key in tiny_expected:
+            assert_close(history[key], tiny_expected[key], f"{what} one-sample batch, history {key}")
+        assert_close(tiny.predict(x_test[:3], batch_size=2, verbose=0), tiny_pred, f"{what} predict in pairs")
+        checked += 1
+
+# Saving from 2 stages x replicas, loading as 1 stage x SIZE replicas, one more epoch.
+num_stages = 2 if SIZE % 2 == 0 and SIZE > 2 else 1
+model = PipelineModel(layers(), num_stages=num_stages, num_microbatches=2)
+model.set_weights(initial)
+model.compile(**compile_args())
+model.fit(x, y, sample_weight=sw, **fit_args)
+directory = MPI.COMM_WORLD.bcast(tempfile.mkdtemp() if RANK == 0 else None)
+path = os.path.join(directory, "replicas.keras")
+model.save(path)
+if RANK == 0:
+    plain = keras.models.load_model(path)
+    assert_close(plain.predict(x_test, verbose=0), expected_pred, "plain Keras loads the saved replicas")
+loaded = keras_pipe.load_model(path, num_stages=1, num_microbatches=2)
+assert loaded.num_replicas == SIZE
+assert_close(loaded.predict(x_test, verbose=0), expected_pred, "loaded on another layout: predict")
+history = loaded.fit(x, y, sample_weight=sw, **{**fit_args, "epochs": 1}).history
+reference3, expected3 = sequential_run(x, y, sw, epochs=3)
+for key in expected3:
+    assert_close(history[key][-1], expected3[key][-1], f"save, load on {SIZE} replicas, 3rd epoch: {key}")
+check_same_across_replicas(loaded, "after loading")
+checked += 1
+
+# shuffle=True with no global seed: fit seeds TensorFlow alike on every rank,
+# so the replicas still read one global batch and stay identical.
+tf.random.set_seed(None)
+model = PipelineModel(layers(), num_stages=1, num_microbatches=2)
+model.compile(**compile_args())
+model.fit(x, y, batch_size=32, epochs=2, shuffle=True, verbose=0)
+check_same_across_replicas(model, "shuffle=True without a seed")
+checked += 1
+
+# Replicas given differently ordered data: an error on every rank, not silent training.
+order = np.random.default_rng(100 + RANK).permutation(len(x)) if RANK else np.arange(len(x))
+model = PipelineModel(layers(), num_stages=1, num_microbatches=2)
+model.compile(**compile_args())
+try:
+    model.fit(x[order], y[order], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    raise AssertionError(f"rank {RANK}: replicas with different data trained without an error")
+except RankMismatchError as error:
+    assert "the replicas read different batches at train step 0" in str(error), str(error)
+checked += 1
+
+# summary() shows which rank is which stage of which replica.
+lines = []
+model = PipelineModel(layers(), num_stages=num_stages)
+model.build()
+model.summary(print_fn=lines.append)
+if RANK == 0:
+    text = "\n".join(lines)
+    assert f"{num_stages} stages x {SIZE // num_stages} replicas" in text, text
+    assert f"replica {SIZE // num_stages - 1}: stage 0: rank" in text, text
+    print(text, flush=True)
+
+# balance="time": every rank computes the same split from every replica's timings.
+model = PipelineModel(layers(), num_stages=num_stages, balance="time")
+model.build()
+balances = MPI.COMM_WORLD.allgather([int(n) for n in model.balance])
+assert all(b == balances[0] for b in balances), balances
+
+print(f"REPLICAS OK rank {RANK} of {SIZE}: {checked} configurations", flush=True)
+sys.exit(0)
