@@ -86,16 +86,21 @@ def worker(args):
 
 
 def launch(ranks, *worker_args, env=None):
-    here = Path(__file__).resolve()
+    """Samples per second of one configuration (see :func:`launch_script`)."""
+    return launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)["samples_per_s"]
+
+
+def launch_script(script: Path, ranks, *worker_args, env=None) -> dict:
+    """Runs ``script --worker ...`` on ``ranks`` ranks; returns the JSON its rank 0 printed after ``RESULT``."""
     mpirun = Path(sys.executable).parent / "mpirun"
-    command = [sys.executable, str(here), "--worker", *worker_args]
+    command = [sys.executable, str(script), "--worker", *worker_args]
     if ranks > 1 or mpirun.exists():
         command = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(ranks), *command]
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     out = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=environment)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])["samples_per_s"]
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout}\n{out.stderr}")
 
 

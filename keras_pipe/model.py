@@ -25,7 +25,7 @@ from keras_pipe.consistency import (
     describe_argument,
     model_fingerprint,
 )
-from keras_pipe.errors import PipelineConfigError
+from keras_pipe.errors import PipelineConfigError, RankMismatchError
 from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
 from keras_pipe.layout import Layout, host_name, replica_bounds
 from keras_pipe.profile import balance_by_time
@@ -104,9 +104,12 @@ class PipelineModel(keras.Model):
     ):
         super().__init__(name=name, trainable=trainable)
         comm = Communicator(stall_timeout=stall_timeout)
-        hosts = comm.allgather_json(host_name()) if comm.size > 1 else [host_name()]
+        # Before any other communication (splitting the communicators is
+        # collective): every rank's host and num_stages.
+        everyone = comm.allgather_json([host_name(), num_stages]) if comm.size > 1 else [[host_name(), num_stages]]
+        _check_num_stages_agree([stages for _, stages in everyone])
         try:
-            layout = Layout.from_hosts(hosts, num_stages)
+            layout = Layout.from_hosts([host for host, _ in everyone], num_stages)
         except PipelineConfigError as error:
             raise mark_collective(error) from None
         replica, stage_index = layout.replica_of(comm.rank), layout.stage_of(comm.rank)
@@ -734,6 +737,18 @@ class PipelineModel(keras.Model):
             print_fn("Ranks:")
             for line in self._layout.describe():
                 print_fn("  " + line)
+
+
+def _check_num_stages_agree(values: list) -> None:
+    if all(v == values[0] for v in values):
+        return
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(repr(value), []).append(rank)
+    shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+    raise mark_collective(
+        RankMismatchError(f"the ranks disagree on num_stages: {shown}. Every rank must build the same PipelineModel.")
+    )
 
 
 def _batch_size(data) -> int:

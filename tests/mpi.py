@@ -35,21 +35,34 @@ class Launch:
         return [line for line in self.output.splitlines() if text in line]
 
 
-def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 300, env: dict | None = None) -> Launch:
-    """Runs ``tests/mpi_scripts/<script>`` on ``nprocs`` ranks; kills the whole job after ``timeout`` s."""
+def run_mpi(
+    nprocs: int,
+    script: str,
+    *args: str,
+    timeout: float = 300,
+    env: dict | None = None,
+    mpirun_args: tuple[str, ...] = (),
+    rank_env: list[dict] | None = None,
+) -> Launch:
+    """Runs ``tests/mpi_scripts/<script>`` on ``nprocs`` ranks; kills the whole job after ``timeout`` s.
+
+    ``mpirun_args`` go before the program (a host file, say); ``rank_env``
+    gives each rank variables of its own (an MPMD launch, one rank per part).
+    """
     environment = dict(os.environ)
     environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     environment["PYTHONUNBUFFERED"] = "1"
     environment["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent.parent), environment.get("PYTHONPATH", "")])
     environment.update(env or {})
-    command = [
-        mpirun_path(),
-        "-n",
-        str(nprocs),
-        sys.executable,
-        str(SCRIPTS / script),
-        *args,
-    ]  # absolute paths pass through
+    program = [sys.executable, str(SCRIPTS / script), *args]  # absolute paths pass through
+    if rank_env is None:
+        command = [mpirun_path(), *mpirun_args, "-n", str(nprocs), *program]
+    else:
+        assert len(rank_env) == nprocs, (len(rank_env), nprocs)
+        command = [mpirun_path(), *mpirun_args]
+        for rank, variables in enumerate(rank_env):
+            command += [":"] if rank else []
+            command += ["-n", "1"] + [part for k, v in variables.items() for part in ("-env", k, str(v))] + program
     start = time.monotonic()
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment, start_new_session=True

@@ -13,6 +13,9 @@ EXPECTED = {
     "more ranks than layers": "4 ranks but the model has only 3 layers",
     "balance does not cover the layers": "balance [1, 1, 1, 1] covers 4 layers but the model has 6",
     "num_microbatches < 1": "num_microbatches=0: it must be a positive integer",
+    "num_stages does not divide the ranks": "num_stages=3 does not divide the 4 ranks of the job into whole "
+    "pipelines; use a num_stages in [1, 2, 4]",
+    "num_stages differs": "the ranks disagree on num_stages: ranks [0, 1, 2]: 4; ranks [3]: 1",
     "a layer used twice": "appears twice in the layer list",
     "not a chain": "layer 2 (concatenate, Concatenate) cannot be called on an input of shape (None, 16)",
     "jit_compile=True": "compile(jit_compile=True): a pipeline step sends and receives between micro-batches",

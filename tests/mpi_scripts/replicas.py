@@ -9,6 +9,7 @@ batch check and the layout shown by ``summary()``. Prints one
 ``REPLICAS OK`` per rank.
 """
 
+import json
 import os
 import sys
 import tempfile
@@ -132,6 +133,8 @@ lines = []
 model = PipelineModel(layers(), num_stages=num_stages)
 model.build()
 model.summary(print_fn=lines.append)
+if "EXPECT_PIPELINES" in os.environ:  # launched with a host per rank: placement follows the hosts
+    assert model._layout.pipelines == json.loads(os.environ["EXPECT_PIPELINES"]), model._layout.pipelines
 if RANK == 0:
     text = "\n".join(lines)
     assert f"{num_stages} stages x {SIZE // num_stages} replicas" in text, text

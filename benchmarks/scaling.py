@@ -1,0 +1,205 @@
+"""Replicas versus stages on the same cores, and the cost model checked against them.
+
+    python benchmarks/scaling.py            # both models (several minutes)
+    python benchmarks/scaling.py --quick    # one model, 2 timed epochs
+
+For each model, at a global batch of 64 (steady state, median of the timed
+epochs, the first epoch excluded), measures
+
+  one process        keras.Sequential using every core, and PipelineModel on 1 rank;
+  1 x 2              PipelineModel(num_stages=1) on 2 ranks: two replicas, each on half of every batch;
+  2 x 1              PipelineModel(num_stages=2) on 2 ranks: one pipeline, m = 4 micro-batches;
+
+then fits the cost model's constants (keras_pipe/cost.py) on this machine
+from separate one-rank, one-thread runs and MPI micro-benchmarks, and prints
+its prediction beside each measurement:
+
+  c, o + g P   per micro-batch forward+backward time at b = 64 and 16 samples (line through 2 points)
+  u P          the optimizer update's time
+  a, bw_p2p    ping-pong of an activation-sized message between 2 ranks
+  bw_ar        all-reduce of the model's gradient size over 2 ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import BATCH, MODELS, STEPS_PER_EPOCH, build_layers, launch_script  # noqa: E402
+
+
+def _data(n):
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(size=(n, 784)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 10, size=n)
+    return x, y
+
+
+def worker(args):
+    """Runs inside mpirun (or alone); rank 0 prints one RESULT line."""
+    import keras
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    keras.utils.set_random_seed(0)
+    n = BATCH * STEPS_PER_EPOCH
+    x, y = _data(n)
+    spec = MODELS[args.model]
+    if args.kind == "sequential":
+        model = keras.Sequential(build_layers(**spec))
+    else:
+        from keras_pipe import PipelineModel
+
+        model = PipelineModel(build_layers(**spec), num_stages=args.stages, num_microbatches=args.microbatches)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    times, spans = [], []
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if args.kind == "calibrate" and self.model._stage is not None and len(times) >= 1:
+                self.model._stage.recorder = spans
+
+    model.fit(x, y, batch_size=BATCH, epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[Timer()])
+    result = {"samples_per_s": statistics.median(n / t for t in times[1:])}
+    if args.kind == "calibrate":
+        for name in ("forward+backward", "optimizer"):
+            result[name] = statistics.median(end - start for span, _, _, start, end in spans if span == name)
+        result["params"] = model.count_params()
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def links_worker(args):
+    """Ping-pong and all-reduce between 2 ranks, with keras_pipe's Communicator."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from keras_pipe.comm import Communicator
+
+    comm = Communicator(MPI.COMM_WORLD)
+    result = {}
+    for nbytes in (8, 1 << 20):
+        a = np.zeros(nbytes // 4, np.float32)
+        comm.barrier()
+        began = time.perf_counter()
+        for _ in range(50):
+            if comm.rank == 0:
+                comm.send(a, 1, 11)
+                comm.recv(1, 11, (), np.float32)
+            else:
+                comm.recv(0, 11, (), np.float32)
+                comm.send(a, 0, 11)
+            comm.flush()
+        result[f"oneway_{nbytes}"] = (time.perf_counter() - began) / 100
+    result["p2p_latency_s"] = result["oneway_8"]
+    result["p2p_bytes_per_s"] = (1 << 20) / max(result["oneway_1048576"] - result["oneway_8"], 1e-9)
+    grads = np.zeros(args.params, np.float32)
+    samples = []
+    for _ in range(5):
+        comm.barrier()
+        began = time.perf_counter()
+        comm.wait_all(comm.start_allreduce_sum([grads]), "allreduce")
+        samples.append(time.perf_counter() - began)
+    seconds = statistics.median(samples)
+    result["allreduce_s"] = seconds
+    result["allreduce_bytes_per_s"] = 2 * 0.5 * 4 * args.params / seconds  # ring: 2 (R-1)/R of the bytes
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(ranks, *worker_args, env=None):
+    return launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Replicas versus stages, and the cost model.")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="sequential", help=argparse.SUPPRESS)
+    parser.add_argument("--stages", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--microbatches", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--params", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="mlp-2048x4", choices=sorted(MODELS))
+    parser.add_argument("--epochs", type=int, default=5, help="timed epochs per run")
+    parser.add_argument("--quick", action="store_true", help="one model, 2 timed epochs")
+    parser.add_argument("--models", nargs="*", default=sorted(MODELS))
+    args = parser.parse_args()
+    if args.worker:
+        return links_worker(args) if args.kind == "links" else worker(args)
+    from keras_pipe.cost import Machine, Workload, estimate
+
+    epochs = "2" if args.quick else str(args.epochs)
+    models = ["mlp-2048x4"] if args.quick else args.models
+    print(f"host: {os.cpu_count()} cores; global batch {BATCH}; {STEPS_PER_EPOCH} steps per epoch; median of {epochs}")
+    header = f"{'model':<12} {'configuration':<44} {'measured':>9} {'model':>9} {'vs (a)':>7}"
+    print(header + "\n" + "-" * len(header))
+    one_thread = {"KERAS_PIPE_THREADS": "1"}
+    for name in models:
+        common = ["--model", name, "--epochs", epochs]
+        full = launch(1, "--kind", "calibrate", "--microbatches", "1", *common, env=one_thread)
+        quarter = launch(1, "--kind", "calibrate", "--microbatches", "4", *common, env=one_thread)
+        params = full["params"]
+        links = launch(2, "--kind", "links", "--params", str(params))
+        c = (full["forward+backward"] - quarter["forward+backward"]) / (BATCH - BATCH // 4)
+        fixed = full["forward+backward"] - BATCH * c  # o + g P: per micro-batch, independent of its size
+        machine = Machine(
+            compute_s_per_sample=c,
+            microbatch_overhead_s=fixed,
+            update_s_per_param=full["optimizer"] / params,
+            p2p_latency_s=links["p2p_latency_s"],
+            p2p_bytes_per_s=links["p2p_bytes_per_s"],
+            allreduce_bytes_per_s=links["allreduce_bytes_per_s"],
+            allreduce_latency_s=0.0,
+        )
+        width = MODELS[name]["width"]
+        work = Workload(params=params, activation_bytes=4 * width, batch=BATCH)
+        a = launch(1, "--kind", "sequential", *common)["samples_per_s"]
+        rows = [("(a) one process: Sequential, all cores", a, None)]
+        rows.append(
+            (
+                "(b) one process: PipelineModel 1 rank, all cores",
+                launch(1, "--kind", "pipeline", *common)["samples_per_s"],
+                None,
+            )
+        )
+        rows.append(
+            ("(b1) PipelineModel 1 rank, 1 core (fit data)", full["samples_per_s"], estimate(work, machine, 1, 1))
+        )
+        measured = launch(2, "--kind", "pipeline", "--stages", "1", *common)["samples_per_s"]
+        rows.append(("(e) 1 x 2: two replicas, 1 stage each", measured, estimate(work, machine, 1, 2)))
+        for m in (4, 8):
+            measured = launch(2, "--kind", "pipeline", "--stages", "2", "--microbatches", str(m), *common)
+            work_m = Workload(params=params, activation_bytes=4 * width, batch=BATCH, num_microbatches=m)
+            rows.append(
+                (
+                    f"(d) 2 x 1: one pipeline of 2 stages, m={m}",
+                    measured["samples_per_s"],
+                    estimate(work_m, machine, 2, 1),
+                )
+            )
+        for label, speed, predicted in rows:
+            model_speed = f"{predicted.samples_per_s:9.1f}" if predicted is not None else ""
+            print(f"{name:<12} {label:<44} {speed:9.1f} {model_speed:>9} {speed / a:7.2f}", flush=True)
+        print(
+            f"{name:<12} constants: c = {1e6 * c:.1f} us/sample, o + gP = {1e3 * fixed:.2f} ms/micro-batch, "
+            f"uP = {1e3 * full['optimizer']:.1f} ms, p2p {1e6 * links['p2p_latency_s']:.0f} us + "
+            f"{links['p2p_bytes_per_s'] / 1e9:.2f} GB/s, all-reduce of {4 * params / 1e6:.0f} MB: "
+            f"{1e3 * links['allreduce_s']:.1f} ms",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
