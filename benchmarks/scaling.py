@@ -16,8 +16,14 @@ its prediction beside each measurement:
 
   c, o + g P   per micro-batch forward+backward time at b = 64 and 16 samples (line through 2 points)
   u P          the optimizer update's time
-  a, bw_p2p    ping-pong of an activation-sized message between 2 ranks
+  h            the rest of a step (step time - forward+backward - update)
+  a, bw_p2p    ping-pong of 8 bytes and of 16 MB between 2 ranks
   bw_ar        all-reduce of the model's gradient size over 2 ranks
+
+The compute constants are measured twice: on one rank alone ("solo", used
+for the one-rank prediction) and as two independent one-rank runs at the
+same time ("loaded", used for the two-rank predictions), because on this
+machine two busy cores share one memory bus and each runs slower than alone.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,6 +85,8 @@ def worker(args):
         for name in ("forward+backward", "optimizer"):
             result[name] = statistics.median(end - start for span, _, _, start, end in spans if span == name)
         result["params"] = model.count_params()
+        step = BATCH / result["samples_per_s"]
+        result["step_overhead"] = step - args.microbatches * result["forward+backward"] - result["optimizer"]
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
@@ -91,11 +100,11 @@ def links_worker(args):
 
     comm = Communicator(MPI.COMM_WORLD)
     result = {}
-    for nbytes in (8, 1 << 20):
+    for nbytes in (8, 16 << 20):
         a = np.zeros(nbytes // 4, np.float32)
         comm.barrier()
         began = time.perf_counter()
-        for _ in range(50):
+        for _ in range(50 if nbytes < 1024 else 5):
             if comm.rank == 0:
                 comm.send(a, 1, 11)
                 comm.recv(1, 11, (), np.float32)
@@ -103,9 +112,9 @@ def links_worker(args):
                 comm.recv(0, 11, (), np.float32)
                 comm.send(a, 0, 11)
             comm.flush()
-        result[f"oneway_{nbytes}"] = (time.perf_counter() - began) / 100
+        result[f"oneway_{nbytes}"] = (time.perf_counter() - began) / (100 if nbytes < 1024 else 10)
     result["p2p_latency_s"] = result["oneway_8"]
-    result["p2p_bytes_per_s"] = (1 << 20) / max(result["oneway_1048576"] - result["oneway_8"], 1e-9)
+    result["p2p_bytes_per_s"] = (16 << 20) / max(result[f"oneway_{16 << 20}"] - result["oneway_8"], 1e-9)
     grads = np.zeros(args.params, np.float32)
     samples = []
     for _ in range(5):
@@ -138,31 +147,29 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return links_worker(args) if args.kind == "links" else worker(args)
-    from keras_pipe.cost import Machine, Workload, estimate
+    from keras_pipe.cost import Workload, estimate
 
     epochs = "2" if args.quick else str(args.epochs)
     models = ["mlp-2048x4"] if args.quick else args.models
     print(f"host: {os.cpu_count()} cores; global batch {BATCH}; {STEPS_PER_EPOCH} steps per epoch; median of {epochs}")
     header = f"{'model':<12} {'configuration':<44} {'measured':>9} {'model':>9} {'vs (a)':>7}"
     print(header + "\n" + "-" * len(header))
-    one_thread = {"KERAS_PIPE_THREADS": "1"}
     for name in models:
         common = ["--model", name, "--epochs", epochs]
-        full = launch(1, "--kind", "calibrate", "--microbatches", "1", *common, env=one_thread)
-        quarter = launch(1, "--kind", "calibrate", "--microbatches", "4", *common, env=one_thread)
+        calibrate = ["--kind", "calibrate", *common]
+        full = launch(1, *calibrate, "--microbatches", "1", env=ONE_THREAD)
+        quarter = launch(1, *calibrate, "--microbatches", "4", env=ONE_THREAD)
+        with ThreadPoolExecutor(2) as pool:  # two independent one-rank runs at once: both cores busy
+            loaded_full = list(
+                pool.map(lambda _, c=calibrate: launch(1, *c, "--microbatches", "1", env=ONE_THREAD), [0, 1])
+            )
+            loaded_quarter = list(
+                pool.map(lambda _, c=calibrate: launch(1, *c, "--microbatches", "4", env=ONE_THREAD), [0, 1])
+            )
         params = full["params"]
         links = launch(2, "--kind", "links", "--params", str(params))
-        c = (full["forward+backward"] - quarter["forward+backward"]) / (BATCH - BATCH // 4)
-        fixed = full["forward+backward"] - BATCH * c  # o + g P: per micro-batch, independent of its size
-        machine = Machine(
-            compute_s_per_sample=c,
-            microbatch_overhead_s=fixed,
-            update_s_per_param=full["optimizer"] / params,
-            p2p_latency_s=links["p2p_latency_s"],
-            p2p_bytes_per_s=links["p2p_bytes_per_s"],
-            allreduce_bytes_per_s=links["allreduce_bytes_per_s"],
-            allreduce_latency_s=0.0,
-        )
+        solo = fit_machine(full, quarter, links)
+        loaded = fit_machine(_mean(loaded_full), _mean(loaded_quarter), links)
         width = MODELS[name]["width"]
         work = Workload(params=params, activation_bytes=4 * width, batch=BATCH)
         a = launch(1, "--kind", "sequential", *common)["samples_per_s"]
@@ -174,11 +181,9 @@ def main():
                 None,
             )
         )
-        rows.append(
-            ("(b1) PipelineModel 1 rank, 1 core (fit data)", full["samples_per_s"], estimate(work, machine, 1, 1))
-        )
+        rows.append(("(b1) PipelineModel 1 rank, 1 core", full["samples_per_s"], estimate(work, solo, 1, 1)))
         measured = launch(2, "--kind", "pipeline", "--stages", "1", *common)["samples_per_s"]
-        rows.append(("(e) 1 x 2: two replicas, 1 stage each", measured, estimate(work, machine, 1, 2)))
+        rows.append(("(e) 1 x 2: two replicas, 1 stage each", measured, estimate(work, loaded, 1, 2)))
         for m in (4, 8):
             measured = launch(2, "--kind", "pipeline", "--stages", "2", "--microbatches", str(m), *common)
             work_m = Workload(params=params, activation_bytes=4 * width, batch=BATCH, num_microbatches=m)
@@ -186,19 +191,47 @@ def main():
                 (
                     f"(d) 2 x 1: one pipeline of 2 stages, m={m}",
                     measured["samples_per_s"],
-                    estimate(work_m, machine, 2, 1),
+                    estimate(work_m, loaded, 2, 1),
                 )
             )
         for label, speed, predicted in rows:
             model_speed = f"{predicted.samples_per_s:9.1f}" if predicted is not None else ""
             print(f"{name:<12} {label:<44} {speed:9.1f} {model_speed:>9} {speed / a:7.2f}", flush=True)
+        for label, machine in (("solo", solo), ("loaded", loaded)):
+            print(
+                f"{name:<12} {label:>6}: c = {1e6 * machine.compute_s_per_sample:.0f} us/sample, o + gP = "
+                f"{1e3 * machine.microbatch_overhead_s:.1f} ms/micro-batch, uP = "
+                f"{1e3 * machine.update_s_per_param * params:.1f} ms, h = {1e3 * machine.step_overhead_s:.1f} ms"
+            )
         print(
-            f"{name:<12} constants: c = {1e6 * c:.1f} us/sample, o + gP = {1e3 * fixed:.2f} ms/micro-batch, "
-            f"uP = {1e3 * full['optimizer']:.1f} ms, p2p {1e6 * links['p2p_latency_s']:.0f} us + "
-            f"{links['p2p_bytes_per_s'] / 1e9:.2f} GB/s, all-reduce of {4 * params / 1e6:.0f} MB: "
-            f"{1e3 * links['allreduce_s']:.1f} ms",
+            f"{name:<12}  links: p2p {1e6 * links['p2p_latency_s']:.0f} us + {links['p2p_bytes_per_s'] / 1e9:.2f} "
+            f"GB/s, all-reduce of {4 * params / 1e6:.0f} MB over 2 ranks: {1e3 * links['allreduce_s']:.1f} ms",
             flush=True,
         )
+
+
+ONE_THREAD = {"KERAS_PIPE_THREADS": "1"}
+
+
+def _mean(results: list[dict]) -> dict:
+    return {key: statistics.mean(r[key] for r in results) for key in results[0]}
+
+
+def fit_machine(full: dict, quarter: dict, links: dict):
+    """Cost-model constants from one-rank runs at m = 1 and m = 4 and the link micro-benchmarks."""
+    from keras_pipe.cost import Machine
+
+    c = (full["forward+backward"] - quarter["forward+backward"]) / (BATCH - BATCH // 4)
+    return Machine(
+        compute_s_per_sample=c,
+        microbatch_overhead_s=full["forward+backward"] - BATCH * c,  # o + g P, whatever the micro-batch's size
+        update_s_per_param=full["optimizer"] / full["params"],
+        step_overhead_s=full["step_overhead"],
+        p2p_latency_s=links["p2p_latency_s"],
+        p2p_bytes_per_s=links["p2p_bytes_per_s"],
+        allreduce_bytes_per_s=links["allreduce_bytes_per_s"],
+        allreduce_latency_s=0.0,
+    )
 
 
 if __name__ == "__main__":

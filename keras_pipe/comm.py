@@ -165,17 +165,23 @@ class Communicator:
         self._wait_for(lambda: request.Test(), "the other ranks to finish the step (allreduce)")
         return recv
 
-    def start_allreduce_sum(self, arrays: list[np.ndarray]) -> list:
-        """Starts summing each array in place over all ranks; :meth:`wait_all` finishes.
+    def start_allreduce_sum(self, arrays: list[np.ndarray], results: list[np.ndarray] | None = None) -> list:
+        """Starts summing each array over all ranks; :meth:`wait_all` finishes.
 
-        One non-blocking all-reduce per array, started in the given order, so
-        MPI moves the first while the caller prepares the rest.
+        The sums go into ``results`` (same shapes), or in place when it is
+        ``None``. One non-blocking all-reduce per array, started in the given
+        order; MPI only reads ``arrays`` when ``results`` are given, so they
+        may be read-only views (of a TensorFlow tensor, say), kept alive by
+        the caller until the requests complete.
         """
         requests = []
-        for array in arrays:
-            if not array.flags.c_contiguous or not array.flags.writeable:
-                raise ValueError("start_allreduce_sum needs writable contiguous arrays")
-            requests.append(self.comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM))
+        for index, array in enumerate(arrays):
+            if results is None:
+                if not array.flags.c_contiguous or not array.flags.writeable:
+                    raise ValueError("an in-place all-reduce needs writable contiguous arrays")
+                requests.append(self.comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM))
+            else:
+                requests.append(self.comm.Iallreduce(np.ascontiguousarray(array), results[index], op=MPI.SUM))
         return requests
 
     def wait_all(self, requests: list, what: str) -> None:
@@ -335,6 +341,19 @@ class _SharedState:
         self.waiting_for = ""
         self.wait_started = 0.0
         self.replies: list = []
+
+
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an ``alignment``-byte boundary.
+
+    TensorFlow can wrap such a buffer without copying it (DLPack), which it
+    refuses for numpy's default 16-byte alignment.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def _describe(array: np.ndarray) -> str:

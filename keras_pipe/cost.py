@@ -7,7 +7,7 @@ compares its predictions with measured steps.
 With ``W = S x R`` ranks (``S`` stages, ``R`` replicas), a global batch of
 ``B`` samples cut into ``m`` micro-batches per replica, a step takes
 
-    T = (m + S - 1) * t_slot  +  T_allreduce  +  T_update
+    T = (m + S - 1) * t_slot  +  T_allreduce  +  T_update  +  h
 
 * ``t_slot``, one micro-batch on one stage, forward and backward:
   ``b * c / S`` compute (``b = B / (R m)`` samples, ``c`` seconds per sample
@@ -22,6 +22,8 @@ With ``W = S x R`` ranks (``S`` stages, ``R`` replicas), a global batch of
   backward of earlier stages except on the first stage, which finishes
   last, so it counts once.
 * ``T_update``, the optimizer on the stage's weights: ``u * P / S``.
+* ``h``, per step outside the micro-batches: the step agreement, sharing
+  the logs, metrics, reading the batch.
 
 Throughput is ``B / T``. Memory per rank is about ``k * 4 P / S`` (weights,
 gradient accumulator, optimizer slots: ``k`` = 4 for Adam with float32) plus
@@ -57,6 +59,7 @@ class Machine:
     microbatch_overhead_s: float = 0.0  # o: launching one micro-batch's compiled calls
     grad_s_per_param: float = 0.0  # g: writing + accumulating one weight's gradient, per micro-batch
     update_s_per_param: float = 0.0  # u: the optimizer update of one weight
+    step_overhead_s: float = 0.0  # h: per step, outside the micro-batches (logs, agreement, data)
     p2p_latency_s: float = 20e-6  # a
     p2p_bytes_per_s: float = 5e9  # bw_p2p between a pipeline's neighbours
     allreduce_latency_s: float = 20e-6  # a_ar
@@ -111,7 +114,7 @@ def estimate(workload: Workload, machine: Machine, num_stages: int, num_replicas
         else 0.0
     )
     update = machine.update_s_per_param * stage_params
-    step = (m + s - 1) * slot + allreduce + update
+    step = (m + s - 1) * slot + allreduce + update + machine.step_overhead_s
     in_flight = min(m, s) * b * workload.activation_bytes_per_sample / s
     memory = workload.state_factor * 4 * stage_params + in_flight
     return Estimate(

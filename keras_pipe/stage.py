@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import schedule as schedules
-from keras_pipe.comm import TAG_ACTIVATION, TAG_GRADIENT, TAG_TARGETS, Communicator
+from keras_pipe.comm import TAG_ACTIVATION, TAG_GRADIENT, TAG_TARGETS, Communicator, aligned_empty
 from keras_pipe.errors import RankMismatchError
 from keras_pipe.microbatch import microbatch_bounds
 
@@ -208,31 +208,35 @@ class Stage:
         """Forgets the compiled functions (after ``compile()`` changed the loss, metrics or optimizer)."""
         self._functions.clear()
 
-    def apply_gradients(self, optimizer):
+    def apply_gradients(self, optimizer, grads=None):
         """One optimizer step on this stage's weights, XLA-compiled where the optimizer allows.
 
         The update is memory-bound element-wise work over every weight; XLA
         fuses it into few passes (Adam runs about twice as fast on CPU) and
         it never touches communication, so it is always safe to compile.
+        ``grads`` (arrays summed over the replicas) replace the accumulators:
+        handed to the compiled update as they are, they are read once, in
+        the fused update, instead of being copied back first.
         """
         if not self.trainable_variables:
             return
 
-        def apply():
-            grads = [accumulator.read_value() for accumulator in self._accumulators()]
-            optimizer.apply(grads, self.trainable_variables)
+        def apply(*given):
+            summed = given or [accumulator.read_value() for accumulator in self._accumulators()]
+            optimizer.apply(list(summed), self.trainable_variables)
 
-        key = ("apply", id(optimizer))
+        arguments = () if grads is None else tuple(grads)
+        key = ("apply", id(optimizer), grads is None)
         if self.eager:
-            return apply()
+            return apply(*arguments)
         if key not in self._functions:
             self._functions[key] = tf.function(apply, jit_compile=True)
             try:
-                self._functions[key]()
+                self._functions[key](*arguments)
                 return
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, NotImplementedError):
                 self._functions[key] = tf.function(apply)  # an optimizer XLA cannot compile
-        self._functions[key]()
+        self._functions[key](*arguments)
 
     # -- one batch ------------------------------------------------------
 
@@ -374,11 +378,14 @@ class Stage:
             if not accumulated:  # no share of this batch: contribute zeros
                 self.accumulate([tf.zeros(v.shape, v.dtype) for v in self.trainable_variables], first=True)
                 accumulated = True
-            self.sum_over_replicas()
+            summed = self.sum_over_replicas()
+        else:
+            summed = None
         if training and accumulated:
             self.comm.activity = f"train step {self.step}, stage {self.index}: optimizer update"
             began = time.perf_counter()
-            self.apply_gradients(model.optimizer)
+            self.apply_gradients(model.optimizer, summed)
+            del summed
             if self.recorder is not None:
                 self.trainable_variables[0].numpy()
             self._span("optimizer", -1, began)
@@ -389,24 +396,30 @@ class Stage:
             y_pred = tf.concat(predictions, axis=0) if predictions else tf.zeros((0,) + tuple(shape[1:]), dtype)
         return loss_part, y_pred
 
-    def sum_over_replicas(self) -> None:
-        """Sums the accumulated gradients over this stage's replicas, in place.
+    def sum_over_replicas(self) -> list:
+        """This stage's gradients summed over its replicas, as tensors in weight order.
 
         Every replica scaled its micro-batches' losses by their share of the
         global batch, so the sum is the global batch's gradient, as
         ``Sequential`` computes it. Called as soon as this stage's last
         backward is done: the last stage reduces while the stages before it
-        still run their final backwards.
+        still run their final backwards. No copies are made on the way: MPI
+        reads each accumulator's memory through a read-only view and writes
+        the sums into 64-byte-aligned buffers (kept from step to step) that
+        TensorFlow then reads as tensors without copying (DLPack). The last
+        layers' all-reduces start first.
         """
         self.comm.activity = f"train step {self.step}, stage {self.index}: summing gradients over replicas"
         began = time.perf_counter()
         accumulators = self._accumulators()
-        arrays = [np.ascontiguousarray(a.numpy()) for a in reversed(accumulators)]  # last layers' first
-        requests = self.replicas.start_allreduce_sum(arrays)
+        if getattr(self, "_summed_buffers", None) is None:
+            self._summed_buffers = [aligned_empty(a.shape, a.dtype.as_numpy_dtype) for a in accumulators]
+        sources = [_host_view(a) for a in reversed(accumulators)]
+        requests = self.replicas.start_allreduce_sum(sources, self._summed_buffers[::-1])
         self.replicas.wait_all(requests, "the other replicas of this stage (gradient allreduce)")
-        for accumulator, array in zip(reversed(accumulators), arrays):
-            accumulator.assign(array)
+        del sources
         self._span("allreduce", -1, began)
+        return [tf.experimental.dlpack.from_dlpack(buffer.__dlpack__()) for buffer in self._summed_buffers]
 
     def _loss_scales(self, sample_weight, start, stop, batch_size):
         """``(data, activity)`` weights of micro-batch ``[start, stop)`` in the batch's loss."""
@@ -473,6 +486,15 @@ class Stage:
                 )
             received.append(array)
         return tuple(received)
+
+
+def _host_view(variable) -> np.ndarray:
+    """A read-only numpy view of a variable in host memory, or a copy where it lives on a device."""
+    value = variable.read_value()
+    try:
+        return np.from_dlpack(value)
+    except (BufferError, TypeError, RuntimeError, ValueError):  # an accelerator's memory: copy to the host
+        return value.numpy()
 
 
 def _zeros_for_none(grads, sources):
