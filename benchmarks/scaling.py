@@ -8,13 +8,17 @@ epochs, the first epoch excluded), measures
 
   one process        keras.Sequential using every core, and PipelineModel on 1 rank;
   1 x 2              PipelineModel(num_stages=1) on 2 ranks: two replicas, each on half of every batch;
-  2 x 1              PipelineModel(num_stages=2) on 2 ranks: one pipeline, m = 4 micro-batches;
+  2 x 1              PipelineModel(num_stages=2) on 2 ranks: one pipeline, m = 4 and 8 micro-batches;
+
+(the 2-rank rows are the best of 2 launches: now and then a whole launch on
+this machine runs at half speed, whatever the configuration),
 
 then fits the cost model's constants (keras_pipe/cost.py) on this machine
 from separate one-rank, one-thread runs and MPI micro-benchmarks, and prints
 its prediction beside each measurement:
 
   c, o + g P   per micro-batch forward+backward time at b = 64 and 16 samples (line through 2 points)
+  o            the same for a model of the same depth and width 8 (launching the calls)
   u P          the optimizer update's time
   h            the rest of a step (step time - forward+backward - update)
   a, bw_p2p    ping-pong of 8 bytes and of 16 MB between 2 ranks
@@ -58,7 +62,7 @@ def worker(args):
     keras.utils.set_random_seed(0)
     n = BATCH * STEPS_PER_EPOCH
     x, y = _data(n)
-    spec = MODELS[args.model]
+    spec = dict(MODELS[args.model], **({"width": 8} if args.tiny else {}))
     if args.kind == "sequential":
         model = keras.Sequential(build_layers(**spec))
     else:
@@ -140,6 +144,7 @@ def main():
     parser.add_argument("--stages", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--params", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mlp-2048x4", choices=sorted(MODELS))
     parser.add_argument("--epochs", type=int, default=5, help="timed epochs per run")
     parser.add_argument("--quick", action="store_true", help="one model, 2 timed epochs")
@@ -156,20 +161,11 @@ def main():
     print(header + "\n" + "-" * len(header))
     for name in models:
         common = ["--model", name, "--epochs", epochs]
-        calibrate = ["--kind", "calibrate", *common]
-        full = launch(1, *calibrate, "--microbatches", "1", env=ONE_THREAD)
-        quarter = launch(1, *calibrate, "--microbatches", "4", env=ONE_THREAD)
-        with ThreadPoolExecutor(2) as pool:  # two independent one-rank runs at once: both cores busy
-            loaded_full = list(
-                pool.map(lambda _, c=calibrate: launch(1, *c, "--microbatches", "1", env=ONE_THREAD), [0, 1])
-            )
-            loaded_quarter = list(
-                pool.map(lambda _, c=calibrate: launch(1, *c, "--microbatches", "4", env=ONE_THREAD), [0, 1])
-            )
-        params = full["params"]
+        solo = calibrate(common, concurrent=1)
+        loaded = calibrate(common, concurrent=2)  # two independent one-rank runs at once: both cores busy
+        params = solo["full"]["params"]
         links = launch(2, "--kind", "links", "--params", str(params))
-        solo = fit_machine(full, quarter, links)
-        loaded = fit_machine(_mean(loaded_full), _mean(loaded_quarter), links)
+        solo, loaded = fit_machine(solo, links), fit_machine(loaded, links)
         width = MODELS[name]["width"]
         work = Workload(params=params, activation_bytes=4 * width, batch=BATCH)
         a = launch(1, "--kind", "sequential", *common)["samples_per_s"]
@@ -181,16 +177,17 @@ def main():
                 None,
             )
         )
-        rows.append(("(b1) PipelineModel 1 rank, 1 core", full["samples_per_s"], estimate(work, solo, 1, 1)))
-        measured = launch(2, "--kind", "pipeline", "--stages", "1", *common)["samples_per_s"]
+        one_core = launch(1, "--kind", "pipeline", *common, env=ONE_THREAD)["samples_per_s"]
+        rows.append(("(b1) PipelineModel 1 rank, 1 core", one_core, estimate(work, solo, 1, 1)))
+        measured = best(2, "--kind", "pipeline", "--stages", "1", *common)
         rows.append(("(e) 1 x 2: two replicas, 1 stage each", measured, estimate(work, loaded, 1, 2)))
         for m in (4, 8):
-            measured = launch(2, "--kind", "pipeline", "--stages", "2", "--microbatches", str(m), *common)
+            measured = best(2, "--kind", "pipeline", "--stages", "2", "--microbatches", str(m), *common)
             work_m = Workload(params=params, activation_bytes=4 * width, batch=BATCH, num_microbatches=m)
             rows.append(
                 (
                     f"(d) 2 x 1: one pipeline of 2 stages, m={m}",
-                    measured["samples_per_s"],
+                    measured,
                     estimate(work_m, loaded, 2, 1),
                 )
             )
@@ -199,8 +196,9 @@ def main():
             print(f"{name:<12} {label:<44} {speed:9.1f} {model_speed:>9} {speed / a:7.2f}", flush=True)
         for label, machine in (("solo", solo), ("loaded", loaded)):
             print(
-                f"{name:<12} {label:>6}: c = {1e6 * machine.compute_s_per_sample:.0f} us/sample, o + gP = "
-                f"{1e3 * machine.microbatch_overhead_s:.1f} ms/micro-batch, uP = "
+                f"{name:<12} {label:>6}: c = {1e6 * machine.compute_s_per_sample:.0f} us/sample, o = "
+                f"{1e3 * machine.microbatch_overhead_s:.1f} ms + gP = {1e3 * machine.grad_s_per_param * params:.1f} "
+                "ms per micro-batch, uP = "
                 f"{1e3 * machine.update_s_per_param * params:.1f} ms, h = {1e3 * machine.step_overhead_s:.1f} ms"
             )
         print(
@@ -217,14 +215,46 @@ def _mean(results: list[dict]) -> dict:
     return {key: statistics.mean(r[key] for r in results) for key in results[0]}
 
 
-def fit_machine(full: dict, quarter: dict, links: dict):
-    """Cost-model constants from one-rank runs at m = 1 and m = 4 and the link micro-benchmarks."""
+def best(ranks, *worker_args, launches: int = 2) -> float:
+    """The best samples/s of ``launches`` launches: this machine has slow launches now and then (noise)."""
+    return max(launch(ranks, *worker_args)["samples_per_s"] for _ in range(launches))
+
+
+def calibrate(common: list[str], concurrent: int) -> dict:
+    """One-rank, one-thread runs (``concurrent`` at once): the whole model at m = 1 and 4, a tiny one at m = 1."""
+    runs = {
+        "full": ["--microbatches", "1"],
+        "quarter": ["--microbatches", "4"],
+        "tiny": ["--microbatches", "1", "--tiny"],
+    }
+    results = {}
+    with ThreadPoolExecutor(concurrent) as pool:
+        for key, extra in runs.items():
+            arguments = ["--kind", "calibrate", *common, *extra]
+            results[key] = _mean(
+                list(pool.map(lambda _, a=arguments: launch(1, *a, env=ONE_THREAD), range(concurrent)))
+            )
+    return results
+
+
+def fit_machine(calibration: dict, links: dict):
+    """Cost-model constants from the one-rank calibration runs and the link micro-benchmarks.
+
+    ``c`` and the fixed per-micro-batch cost from the line through m = 1 and
+    m = 4; of the fixed cost, ``o`` is what a model of the same depth but
+    width 8 pays (launching the calls), the rest ``g P`` (the gradient's
+    writes, which a stage pays for its own weights only).
+    """
     from keras_pipe.cost import Machine
 
+    full, quarter, tiny = calibration["full"], calibration["quarter"], calibration["tiny"]
     c = (full["forward+backward"] - quarter["forward+backward"]) / (BATCH - BATCH // 4)
+    fixed = full["forward+backward"] - BATCH * c
+    dispatch = min(tiny["forward+backward"], fixed)
     return Machine(
         compute_s_per_sample=c,
-        microbatch_overhead_s=full["forward+backward"] - BATCH * c,  # o + g P, whatever the micro-batch's size
+        microbatch_overhead_s=dispatch,
+        grad_s_per_param=(fixed - dispatch) / full["params"],
         update_s_per_param=full["optimizer"] / full["params"],
         step_overhead_s=full["step_overhead"],
         p2p_latency_s=links["p2p_latency_s"],

@@ -116,7 +116,8 @@ def estimate(workload: Workload, machine: Machine, num_stages: int, num_replicas
     update = machine.update_s_per_param * stage_params
     step = (m + s - 1) * slot + allreduce + update + machine.step_overhead_s
     in_flight = min(m, s) * b * workload.activation_bytes_per_sample / s
-    memory = workload.state_factor * 4 * stage_params + in_flight
+    # With replicas, the all-reduce's receive buffers are one more copy of the stage's gradients.
+    memory = (workload.state_factor + (1 if r > 1 else 0)) * 4 * stage_params + in_flight
     return Estimate(
         num_stages=s,
         num_replicas=r,
