@@ -76,6 +76,12 @@ class Communicator:
         # communicators it is waiting on.
         self._parent = parent
         self._shared = parent._shared if parent is not None else _SharedState()
+        self._world_ranks = None
+        if parent is not None:
+            group, parent_group = self.comm.Get_group(), parent.comm.Get_group()
+            self._world_ranks = list(MPI.Group.Translate_ranks(group, list(range(self.size)), parent_group))
+            group.Free()
+            parent_group.Free()
         self._debug = debug_enabled()
 
     def split(self, color: int, key: int) -> Communicator:
@@ -102,16 +108,14 @@ class Communicator:
 
     def world_rank_of(self, rank: int) -> int:
         """The world rank of this communicator's ``rank`` (for messages users read)."""
-        if self._parent is None:
-            return rank
-        return MPI.Group.Translate_ranks(self.comm.Get_group(), [rank], self._parent.comm.Get_group())[0]
+        return rank if self._world_ranks is None else self._world_ranks[rank]
 
     # -- point to point -------------------------------------------------
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         """Starts sending ``array`` to ``dest``; returns at once."""
         array = np.ascontiguousarray(array)
-        self._log(f"send {_describe(array)} tag {tag} -> rank {dest}")
+        self._log(f"send {_describe(array)} tag {tag} -> rank {self.world_rank_of(dest)}")
         request = self.comm.Isend([array.reshape(-1).view(np.uint8), MPI.BYTE], dest=dest, tag=tag)
         self._pending.append((request, array))
         self.progress()
@@ -122,7 +126,7 @@ class Communicator:
         status = MPI.Status()
         message = self._wait_for(
             lambda: self.comm.Improbe(source=source, tag=tag, status=status),
-            f"a message (tag {tag}) from rank {source}",
+            f"a message (tag {tag}) from rank {self.world_rank_of(source)}",
         )
         nbytes = status.Get_count(MPI.BYTE)
         row = dtype.itemsize * int(np.prod(trailing_shape, dtype=np.int64))
@@ -135,8 +139,9 @@ class Communicator:
             )
         array = np.empty((nbytes // row,) + tuple(trailing_shape), dtype)
         request = message.Irecv([array.reshape(-1).view(np.uint8), MPI.BYTE])
-        self._wait_for(lambda: request.Test(), f"the rest of a message (tag {tag}) from rank {source}")
-        self._log(f"recv {_describe(array)} tag {tag} <- rank {source}")
+        sender = self.world_rank_of(source)
+        self._wait_for(lambda: request.Test(), f"the rest of a message (tag {tag}) from rank {sender}")
+        self._log(f"recv {_describe(array)} tag {tag} <- rank {sender}")
         return array
 
     def recv_exact(self, source: int, tag: int, shape: tuple, dtype) -> np.ndarray:

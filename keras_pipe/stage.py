@@ -56,6 +56,8 @@ class Stage:
         self.comm = comm
         self.replicas = replicas
         self.replica_index = replicas.rank if replicas is not None else 0
+        # How stall reports name this rank's place.
+        self.where = f"stage {index}" + (f" of replica {self.replica_index}" if replicas is not None else "")
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.trainable_variables = [v for layer in self.layers for v in layer.trainable_weights]
@@ -291,7 +293,7 @@ class Stage:
             start, stop = bounds[i]
             scale = (stop - start) / batch_size
             pass_name = "forward" if action.kind == "F" else "backward"
-            self.comm.activity = f"{phase} step {self.step}, stage {self.index}: {pass_name} of micro-batch {i}"
+            self.comm.activity = f"{phase} step {self.step}, {self.where}: {pass_name} of micro-batch {i}"
             if action.kind == schedules.FORWARD:
                 inputs = self._stage_input(x, i, start, stop)
                 began = time.perf_counter()
@@ -382,7 +384,7 @@ class Stage:
         else:
             summed = None
         if training and accumulated:
-            self.comm.activity = f"train step {self.step}, stage {self.index}: optimizer update"
+            self.comm.activity = f"train step {self.step}, {self.where}: optimizer update"
             began = time.perf_counter()
             self.apply_gradients(model.optimizer, summed)
             del summed
@@ -409,7 +411,7 @@ class Stage:
         TensorFlow then reads as tensors without copying (DLPack). The last
         layers' all-reduces start first.
         """
-        self.comm.activity = f"train step {self.step}, stage {self.index}: summing gradients over replicas"
+        self.comm.activity = f"train step {self.step}, {self.where}: summing gradients over replicas"
         began = time.perf_counter()
         accumulators = self._accumulators()
         if getattr(self, "_summed_buffers", None) is None:

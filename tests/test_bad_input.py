@@ -53,6 +53,18 @@ def test_a_hanging_rank_ends_the_job_with_a_report():
     assert "finished without noticing" not in launch.output
 
 
+def test_a_hanging_replica_ends_the_job_with_a_report_naming_every_rank():
+    launch = run_mpi(4, "stall.py", "hang-replicas", timeout=120)
+    assert launch.returncode != 0, launch.output
+    assert launch.seconds < 60, launch.output
+    report = re.search(r"What each rank was doing:\n((?:  rank \d: .*\n){4})", launch.output)
+    assert report, launch.output
+    assert "rank 2: no answer within" in report.group(1), report.group(1)
+    assert "of replica" in report.group(1), report.group(1)  # the others say where they are
+    assert "gradient allreduce" in launch.output, launch.output  # stage 0 of replica 0 waits for rank 2 there
+    assert "finished without noticing" not in launch.output
+
+
 def test_a_killed_rank_ends_the_job_within_the_timeout():
     launch = run_mpi(4, "stall.py", "kill", timeout=120)
     assert launch.returncode != 0, launch.output
