@@ -14,6 +14,9 @@ graphs, is excluded; the median of the timed epochs is reported) of:
 for an MLP 784 -> 2048x4 -> 10 and a deeper, narrower one (784 -> 512x16 ->
 10), with m = 4 and 8 micro-batches for (d), batch 64. Pipeline efficiency = measured / (P * m / (m + P - 1)
 * speed of (b)): the fraction of the ideal pipeline of single-core stages.
+
+Replicas (``num_stages``) against stages on the same cores, with the cost
+model's predictions: ``python benchmarks/scaling.py``.
 """
 
 from __future__ import annotations
