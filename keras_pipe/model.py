@@ -15,8 +15,8 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
 
 from keras_pipe import compile_checks, partition, saving
+from keras_pipe import weights as _weights
 from keras_pipe.callbacks import adapt_callbacks
-from keras_pipe.comm import Communicator
 from keras_pipe.consistency import (
     COMPARED_ARGUMENTS,
     StepAgreement,
@@ -25,13 +25,14 @@ from keras_pipe.consistency import (
     describe_argument,
     model_fingerprint,
 )
-from keras_pipe.errors import PipelineConfigError, RankMismatchError
+from keras_pipe.errors import PipelineConfigError
 from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
-from keras_pipe.layout import Layout, host_name, replica_bounds
+from keras_pipe.layout import replica_bounds
 from keras_pipe.profile import balance_by_time
 from keras_pipe.schedule import SCHEDULES
 from keras_pipe.stage import Stage
 from keras_pipe.threads import configure_threads
+from keras_pipe.topology import connect
 
 # At import, before the script creates any tensor: TensorFlow's thread pools
 # can only be sized before its first op, and an uncaught exception on any
@@ -103,16 +104,8 @@ class PipelineModel(keras.Model):
         trainable: bool = True,
     ):
         super().__init__(name=name, trainable=trainable)
-        comm = Communicator(stall_timeout=stall_timeout)
-        # Before any other communication (splitting the communicators is
-        # collective): every rank's host and num_stages.
-        everyone = comm.allgather_json([host_name(), num_stages]) if comm.size > 1 else [[host_name(), num_stages]]
-        _check_num_stages_agree([stages for _, stages in everyone])
-        try:
-            layout = Layout.from_hosts([host for host, _ in everyone], num_stages)
-        except PipelineConfigError as error:
-            raise mark_collective(error) from None
-        replica, stage_index = layout.replica_of(comm.rank), layout.stage_of(comm.rank)
+        topology = connect(num_stages, stall_timeout)
+        comm, layout = topology.world, topology.layout
         # Bookkeeping that Keras must not track as sub-layers: only this
         # rank's stage layers are tracked, so `weights`, the optimizer and
         # saving see this rank's variables only. `_comm` spans every rank,
@@ -121,17 +114,16 @@ class PipelineModel(keras.Model):
         object.__setattr__(self, "_pipeline_layers", [])
         object.__setattr__(self, "_comm", comm)
         object.__setattr__(self, "_layout", layout)
-        single = layout.num_replicas == 1 and layout.pipelines[0] == list(range(comm.size))
-        object.__setattr__(self, "_pipe", comm if single else comm.split(replica, stage_index))
-        object.__setattr__(self, "_replicas", comm.split(stage_index, replica) if layout.num_replicas > 1 else None)
+        object.__setattr__(self, "_pipe", topology.pipeline)
+        object.__setattr__(self, "_replicas", topology.replicas)
         object.__setattr__(self, "_stage", None)
         object.__setattr__(self, "_specs", None)
         self._input_shape_dtype = None
         self._balance_option = balance
         self.num_stages = layout.num_stages
-        self.stage_index = stage_index
+        self.stage_index = topology.stage
         self.num_replicas = layout.num_replicas
-        self.replica_index = replica
+        self.replica_index = topology.replica
         if num_microbatches is None:
             num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
@@ -275,24 +267,7 @@ class PipelineModel(keras.Model):
         self._sync_replicas()
 
     def _sync_replicas(self, optimizer: bool = False) -> None:
-        """Gives every replica of this stage the first replica's weights (collective; no-op with one).
-
-        With ``optimizer=True``, the optimizer's state too (after loading).
-        """
-        if self._replicas is None or self._stage is None:
-            return
-        self._comm.activity = "copying the first replica's weights to the other replicas"
-        variables = [v for layer in self._stage.layers for v in layer.weights]
-        if optimizer and self._replicas.bcast_json(
-            bool(self.compiled and self.optimizer is not None and self.optimizer.built), root=0
-        ):
-            if not self.optimizer.built:
-                self.optimizer.build(self.trainable_variables)
-            variables += list(self.optimizer.variables)
-        for variable in variables:
-            value = self._replicas.bcast_array(np.array(variable.numpy()), root=0)
-            if self.replica_index:
-                variable.assign(value)
+        _weights.copy_from_first_replica(self, optimizer)
 
     def _require_built(self) -> None:
         if self._stage is None:
@@ -608,39 +583,12 @@ class PipelineModel(keras.Model):
     def get_weights(self) -> list[np.ndarray]:
         """Every layer's weights, in layer order, on every rank (as ``Sequential.get_weights``)."""
         self._require_built()
-        weights = []
-        for stage, (start, stop) in enumerate(partition.stage_bounds(self._balance)):
-            layouts = [w for spec in self._specs[start:stop] for w in spec.weight_shapes]
-            if stage == self.stage_index and self.replica_index == 0:
-                local = [np.asarray(v.numpy()) for layer in self._stage.layers for v in layer.weights]
-            else:
-                local = [np.empty(shape, dtype) for shape, dtype in layouts]
-            if self._comm.size > 1:
-                owner = self._layout.rank_of(0, stage)
-                local = [self._comm.bcast_array(array, root=owner) for array in local]
-            weights.extend(local)
-        return weights
+        return _weights.gather(self)
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
         """Sets the whole model's weights from ``Sequential``-ordered ``weights``; each rank keeps its part."""
         self._require_built()
-        layouts = [w for spec in self._specs for w in spec.weight_shapes]
-        if len(weights) != len(layouts):
-            raise mark_collective(
-                PipelineConfigError(f"set_weights got {len(weights)} arrays but the model has {len(layouts)} weights.")
-            )
-        for index, ((shape, _), value) in enumerate(zip(layouts, weights)):
-            if tuple(np.shape(value)) != tuple(shape):
-                raise mark_collective(
-                    PipelineConfigError(
-                        f"set_weights: weight {index} has shape {tuple(np.shape(value))}, expected {tuple(shape)}."
-                    )
-                )
-        start, stop = partition.stage_bounds(self._balance)[self.stage_index]
-        offset = sum(len(spec.weight_shapes) for spec in self._specs[:start])
-        for variable in (v for layer in self._stage.layers for v in layer.weights):
-            variable.assign(weights[offset])
-            offset += 1
+        _weights.assign(self, weights)
 
     # -- saving -------------------------------------------------------------------
 
@@ -737,18 +685,6 @@ class PipelineModel(keras.Model):
             print_fn("Ranks:")
             for line in self._layout.describe():
                 print_fn("  " + line)
-
-
-def _check_num_stages_agree(values: list) -> None:
-    if all(v == values[0] for v in values):
-        return
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(repr(value), []).append(rank)
-    shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
-    raise mark_collective(
-        RankMismatchError(f"the ranks disagree on num_stages: {shown}. Every rank must build the same PipelineModel.")
-    )
 
 
 def _batch_size(data) -> int:

@@ -1,0 +1,70 @@
+"""This rank's place in the job: the layout of stages and replicas, and the communicators it talks on.
+
+Every rank takes part in three groups: the whole job (``world``: step
+agreement, logs, checks), its pipeline (``pipeline``, rank = stage:
+activations, their gradients, labels) and the ranks holding the same stage in
+the other replicas (``replicas``, rank = replica: the gradient all-reduce,
+gathering predictions; ``None`` with one replica). Splitting communicators
+is collective, so the ranks first agree on ``num_stages``: a rank asking for
+another one is an error on every rank, not a hang inside ``MPI_Comm_split``.
+
+Example (on every rank):
+
+>>> topology = connect(num_stages=2)          # doctest: +SKIP
+>>> topology.stage, topology.replica          # doctest: +SKIP
+(1, 0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from keras_pipe.comm import Communicator
+from keras_pipe.errors import PipelineConfigError, RankMismatchError
+from keras_pipe.failure import mark_collective
+from keras_pipe.layout import Layout, host_name
+
+
+@dataclass(frozen=True)
+class Topology:
+    world: Communicator
+    layout: Layout
+    pipeline: Communicator
+    replicas: Communicator | None
+    stage: int
+    replica: int
+
+
+def connect(num_stages: int | None = None, stall_timeout: float | None = None) -> Topology:
+    """Lays out ``MPI.COMM_WORLD`` as replicas of ``num_stages``-stage pipelines (collective)."""
+    world = Communicator(stall_timeout=stall_timeout)
+    mine = [host_name(), num_stages]
+    everyone = world.allgather_json(mine) if world.size > 1 else [mine]
+    check_same_num_stages([stages for _, stages in everyone])
+    try:
+        layout = Layout.from_hosts([host for host, _ in everyone], num_stages)
+    except PipelineConfigError as error:
+        raise mark_collective(error) from None
+    replica, stage = layout.replica_of(world.rank), layout.stage_of(world.rank)
+    one_pipeline = layout.num_replicas == 1 and layout.pipelines[0] == list(range(world.size))
+    return Topology(
+        world=world,
+        layout=layout,
+        pipeline=world if one_pipeline else world.split(replica, stage),
+        replicas=world.split(stage, replica) if layout.num_replicas > 1 else None,
+        stage=stage,
+        replica=replica,
+    )
+
+
+def check_same_num_stages(values: list) -> None:
+    """Raises :class:`RankMismatchError` on every rank unless every rank passed the same ``num_stages``."""
+    if all(v == values[0] for v in values):
+        return
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(repr(value), []).append(rank)
+    shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+    raise mark_collective(
+        RankMismatchError(f"the ranks disagree on num_stages: {shown}. Every rank must build the same PipelineModel.")
+    )
