@@ -42,15 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import BATCH, MODELS, STEPS_PER_EPOCH, build_layers, launch_script  # noqa: E402
-
-
-def _data(n):
-    import numpy as np
-
-    x = np.random.default_rng(0).normal(size=(n, 784)).astype("float32")
-    y = np.random.default_rng(1).integers(0, 10, size=n)
-    return x, y
+from throughput import BATCH, MODELS, STEPS_PER_EPOCH, build_layers, launch_script, make_data  # noqa: E402
 
 
 def worker(args):
@@ -61,7 +53,7 @@ def worker(args):
     rank = MPI.COMM_WORLD.Get_rank()
     keras.utils.set_random_seed(0)
     n = BATCH * STEPS_PER_EPOCH
-    x, y = _data(n)
+    x, y = make_data(n)
     spec = dict(MODELS[args.model], **({"width": 8} if args.tiny else {}))
     if args.kind == "sequential":
         model = keras.Sequential(build_layers(**spec))

@@ -47,6 +47,15 @@ def build_layers(width, depth):
     return layers
 
 
+def make_data(n):
+    """``n`` random 784-feature samples and labels of 10 classes, the same in every process."""
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(size=(n, 784)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 10, size=n)
+    return x, y
+
+
 def worker(args):
     """Runs inside mpirun (or alone); rank 0 prints one JSON line."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -57,14 +66,12 @@ def worker(args):
             tf.config.threading.set_intra_op_parallelism_threads(args.threads)
             tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import keras
-    import numpy as np
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
     keras.utils.set_random_seed(0)
     n = BATCH * STEPS_PER_EPOCH
-    x = np.random.default_rng(0).normal(size=(n, 784)).astype("float32")
-    y = np.random.default_rng(1).integers(0, 10, size=n)
+    x, y = make_data(n)
     spec = MODELS[args.model]
     if args.kind == "sequential":
         model = keras.Sequential(build_layers(**spec))

@@ -26,8 +26,9 @@ With ``W = S x R`` ranks (``S`` stages, ``R`` replicas), a global batch of
   the logs, metrics, reading the batch.
 
 Throughput is ``B / T``. Memory per rank is about ``k * 4 P / S`` (weights,
-gradient accumulator, optimizer slots: ``k`` = 4 for Adam with float32) plus
-the activations of at most ``S`` micro-batches in flight (1F1B).
+gradient accumulator, optimizer slots: ``k`` = 4 for Adam with float32; one
+more copy with replicas, the all-reduce's receive buffers) plus the
+activations of at most ``S`` micro-batches in flight (1F1B).
 
 Example: 8 ranks, an 8M-parameter model, batch 256. On one host (5 GB/s
 links) 2 stages x 4 replicas wins; on two hosts of 4 ranks joined by 1 GB/s,

@@ -101,26 +101,6 @@ class Layout:
         return lines
 
 
-def replica_bounds(batch_size: int, num_replicas: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each replica's share of a global batch, as even as possible.
-
-    The first ``batch_size % R`` replicas get one sample more; with fewer
-    samples than replicas the last replicas get an empty share.
-
-    >>> replica_bounds(10, 4)
-    [(0, 3), (3, 6), (6, 8), (8, 10)]
-    >>> replica_bounds(1, 2)
-    [(0, 1), (1, 1)]
-    """
-    base, extra = divmod(batch_size, num_replicas)
-    bounds, start = [], 0
-    for replica in range(num_replicas):
-        size = base + (1 if replica < extra else 0)
-        bounds.append((start, start + size))
-        start += size
-    return bounds
-
-
 def host_name() -> str:
     """This rank's host, for placement: ``KERAS_PIPE_HOST`` if set, else MPI's processor name.
 

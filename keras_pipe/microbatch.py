@@ -1,4 +1,4 @@
-"""Cutting a batch into micro-batches: sizes and boundaries."""
+"""Cutting a batch into replicas' shares and micro-batches: sizes and boundaries."""
 
 from __future__ import annotations
 
@@ -18,9 +18,7 @@ def microbatch_sizes(batch_size: int, num_microbatches: int) -> list[int]:
     """
     if batch_size < 1:
         raise ValueError(f"a batch needs at least one sample, got batch_size={batch_size}.")
-    m = min(num_microbatches, batch_size)
-    base, extra = divmod(batch_size, m)
-    return [base + 1 if i < extra else base for i in range(m)]
+    return _even_sizes(batch_size, min(num_microbatches, batch_size))
 
 
 def microbatch_bounds(batch_size: int, num_microbatches: int) -> list[tuple[int, int]]:
@@ -29,8 +27,32 @@ def microbatch_bounds(batch_size: int, num_microbatches: int) -> list[tuple[int,
     >>> microbatch_bounds(5, 2)
     [(0, 3), (3, 5)]
     """
+    return _bounds(microbatch_sizes(batch_size, num_microbatches))
+
+
+def replica_bounds(batch_size: int, num_replicas: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each replica's share of a global batch, as even as possible.
+
+    The first ``batch_size % R`` replicas get one sample more; with fewer
+    samples than replicas the last replicas get an empty share.
+
+    >>> replica_bounds(10, 4)
+    [(0, 3), (3, 6), (6, 8), (8, 10)]
+    >>> replica_bounds(1, 2)
+    [(0, 1), (1, 1)]
+    """
+    return _bounds(_even_sizes(batch_size, num_replicas))
+
+
+def _even_sizes(total: int, parts: int) -> list[int]:
+    """``parts`` sizes summing to ``total``, the first ``total % parts`` one larger."""
+    base, extra = divmod(total, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
     bounds, start = [], 0
-    for size in microbatch_sizes(batch_size, num_microbatches):
+    for size in sizes:
         bounds.append((start, start + size))
         start += size
     return bounds

@@ -27,7 +27,7 @@ from keras_pipe.consistency import (
 )
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.failure import fail_fast, install_excepthook, mark_collective
-from keras_pipe.layout import replica_bounds
+from keras_pipe.microbatch import replica_bounds
 from keras_pipe.profile import balance_by_time
 from keras_pipe.schedule import SCHEDULES
 from keras_pipe.stage import Stage
@@ -520,11 +520,13 @@ class PipelineModel(keras.Model):
     def fit(self, *args, **kwargs):
         """As ``keras.Model.fit``, pipelined; every rank gets the same ``History``."""
         with fail_fast("fit()"):
+            built_before = self._stage is not None  # building (in _begin_call or the first step) copies the weights
             arguments = self._begin_call("fit", keras.Model.fit, args, kwargs)
             if self.num_replicas > 1:
                 if arguments.get("shuffle", True):
                     self._seed_shuffling()
-                self._sync_replicas()  # replicas start from the same weights, as Horovod's broadcast does
+                if built_before:
+                    self._sync_replicas()  # replicas start from the same weights, as Horovod's broadcast does
             history = super().fit(**arguments)
             self._steps.agree("end", False, 0)
             return history
