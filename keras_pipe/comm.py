@@ -195,8 +195,12 @@ class Communicator:
                 requests.append(self.comm.Iallreduce(np.ascontiguousarray(array), results[index], op=MPI.SUM))
         return requests
 
-    def wait_all(self, requests: list, what: str, spin_s: float = COLLECTIVE_SPIN_S) -> None:
-        """Waits until every request has completed: polling for ``spin_s``, then sleeping, with stall reports."""
+    def wait_all(self, requests: list, what: str, spin_s: float | None = None) -> None:
+        """Waits until every request has completed: polling for ``spin_s``, then sleeping, with stall reports.
+
+        ``spin_s`` defaults to the module's ``COLLECTIVE_SPIN_S``, read at each call.
+        """
+        spin_s = COLLECTIVE_SPIN_S if spin_s is None else spin_s
         self._wait_for(lambda: MPI.Request.Testall(requests), what, spin_s)
 
     def allgather_rows(self, array: np.ndarray, counts: list[int]) -> np.ndarray:
