@@ -36,8 +36,8 @@ DEFAULT_STALL_TIMEOUT = 600.0
 _SPIN_S = 50e-6  # poll without sleeping this long before backing off
 # A gradient all-reduce moves data in rounds, each needing a poll on both
 # sides (MPI progresses only inside MPI calls): sleeping between polls
-# multiplies its time (17 MB in 34 weights: 46 ms sleeping, 9 ms polling
-# without sleep, measured). The replicas of a stage reach it at about the
+# multiplies its time (17 MB in 34 weights: 46 ms sleeping, 12 ms with this
+# spin; benchmarks/step_spans.py --collective-spin). The replicas of a stage reach it at about the
 # same time, so it polls without sleeping for this long before backing off.
 COLLECTIVE_SPIN_S = 0.02
 # The longest sleep between polls grows with the time already waited: a
