@@ -1,22 +1,27 @@
-"""Training throughput of PipelineModel beside plain Keras, on this machine.
+"""Training throughput of PipelineModel beside plain Keras, measured alternately in one run.
 
-    python benchmarks/throughput.py            # the whole table (several minutes)
-    python benchmarks/throughput.py --quick    # fewer repetitions
+    python benchmarks/throughput.py              # every workload, 3 rounds (about half an hour on 2 cores)
+    python benchmarks/throughput.py --rounds 1   # one round
+    python benchmarks/throughput.py --workloads small
 
-Measures steady-state samples per second (the first epoch, which traces the
-graphs, is excluded; the median of the timed epochs is reported) of:
+Each configuration is one launch (``mpirun`` for the pipeline) that trains
+one warm-up epoch (tracing and XLA compilation) and then ``--epochs`` timed
+epochs; its figure is the median of the timed epochs. Configurations run
+round-robin, ``--rounds`` times, and the table shows each one's median over
+the rounds, so slow phases of the machine hit every configuration alike.
 
-  (a) keras.Sequential in one process using all cores,
-  (b) keras.Sequential restricted to one core,
-  (c) PipelineModel on 1 rank (all cores), m = 1 (its default) and 4,
-  (d) PipelineModel on 2 ranks with each schedule,
+Workloads (Adam, sparse categorical cross-entropy, random data):
 
-for an MLP 784 -> 2048x4 -> 10 and a deeper, narrower one (784 -> 512x16 ->
-10), with m = 4 and 8 micro-batches for (d), batch 64. Pipeline efficiency = measured / (P * m / (m + P - 1)
-* speed of (b)): the fraction of the ideal pipeline of single-core stages.
+- ``mlp-b64``: MLP 784 -> 2048x4 -> 10, batch 64 (micro-batches of 16 and 8);
+- ``mlp-b512``: the same MLP at batch 512, m = 8 (micro-batches of 64);
+- ``small``: 64 -> 4 x Dense(128) -> 10, batch 64, one metric: the fixed
+  cost per step and per micro-batch, shown as milliseconds per step.
 
-Replicas (``num_stages``) against stages on the same cores, with the cost
-model's predictions: ``python benchmarks/scaling.py``.
+Configurations: ``keras.Sequential`` with the default ``compile()`` and with
+``jit_compile=True``, on all cores and on one core; ``PipelineModel`` on one
+rank and on two ranks with each schedule. Efficiency = measured /
+(P x m / (m + P - 1) x the one-core speed of the faster Sequential at the same
+batch): the fraction of an ideal pipeline of single-core stages.
 """
 
 from __future__ import annotations
@@ -30,28 +35,32 @@ import sys
 import time
 from pathlib import Path
 
-MODELS = {
-    "mlp-2048x4": dict(width=2048, depth=4),
-    "deep-512x16": dict(width=512, depth=16),
+WORKLOADS = {
+    "mlp-b64": dict(features=784, width=2048, depth=4, batch=64, steps=24, microbatches=(4, 8)),
+    "mlp-b512": dict(features=784, width=2048, depth=4, batch=512, steps=6, microbatches=(8,)),
+    "small": dict(features=64, width=128, depth=4, batch=64, steps=48, microbatches=(1, 4), metric=True),
 }
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+# The models of benchmarks/scaling.py and step_spans.py (batch 64, 24 steps per epoch).
+MODELS = {"mlp-2048x4": dict(width=2048, depth=4), "deep-512x16": dict(width=512, depth=16)}
 BATCH = 64
 STEPS_PER_EPOCH = 24
 
 
-def build_layers(width, depth):
+def build_layers(width, depth, features=784):
     import keras
 
-    layers = [keras.Input((784,))]
+    layers = [keras.Input((features,))]
     layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
     layers.append(keras.layers.Dense(10, activation="softmax"))
     return layers
 
 
-def make_data(n):
-    """``n`` random 784-feature samples and labels of 10 classes, the same in every process."""
+def make_data(n, features=784):
+    """``n`` random samples and labels of 10 classes, the same in every process."""
     import numpy as np
 
-    x = np.random.default_rng(0).normal(size=(n, 784)).astype("float32")
+    x = np.random.default_rng(0).normal(size=(n, features)).astype("float32")
     y = np.random.default_rng(1).integers(0, 10, size=n)
     return x, y
 
@@ -59,27 +68,27 @@ def make_data(n):
 def worker(args):
     """Runs inside mpirun (or alone); rank 0 prints one JSON line."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if args.kind == "sequential":
+    if args.kind == "sequential" and args.threads:
         import tensorflow as tf
 
-        if args.threads:
-            tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-            tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import keras
     from mpi4py import MPI
 
-    rank = MPI.COMM_WORLD.Get_rank()
+    spec = WORKLOADS[args.workload]
     keras.utils.set_random_seed(0)
-    n = BATCH * STEPS_PER_EPOCH
-    x, y = make_data(n)
-    spec = MODELS[args.model]
+    n = spec["batch"] * spec["steps"]
+    x, y = make_data(n, spec["features"])
+    layers = build_layers(spec["width"], spec["depth"], spec["features"])
     if args.kind == "sequential":
-        model = keras.Sequential(build_layers(**spec))
+        model = keras.Sequential(layers)
     else:
         from keras_pipe import PipelineModel
 
-        model = PipelineModel(build_layers(**spec), num_microbatches=args.microbatches, schedule=args.schedule)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model = PipelineModel(layers, num_microbatches=args.microbatches, schedule=args.schedule)
+    metrics = ["accuracy"] if spec.get("metric") else None
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=metrics, jit_compile=args.jit)
 
     class Timer(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -89,15 +98,10 @@ def worker(args):
             times.append(time.perf_counter() - self.start)
 
     times = []
-    model.fit(x, y, batch_size=BATCH, epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[Timer()])
+    model.fit(x, y, batch_size=spec["batch"], epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[Timer()])
     speeds = [n / t for t in times[1:]]
-    if rank == 0:
+    if MPI.COMM_WORLD.Get_rank() == 0:
         print("RESULT " + json.dumps({"samples_per_s": statistics.median(speeds), "all": speeds}), flush=True)
-
-
-def launch(ranks, *worker_args, env=None):
-    """Samples per second of one configuration (see :func:`launch_script`)."""
-    return launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)["samples_per_s"]
 
 
 def launch_script(script: Path, ranks, *worker_args, env=None) -> dict:
@@ -114,44 +118,78 @@ def launch_script(script: Path, ranks, *worker_args, env=None) -> dict:
     raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout}\n{out.stderr}")
 
 
+def launch(ranks, *worker_args, env=None) -> float:
+    """Samples per second of one configuration."""
+    return launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)["samples_per_s"]
+
+
+def configurations(workload: str) -> list[tuple[str, int, list[str]]]:
+    """``(label, ranks, worker arguments)`` of every configuration of a workload."""
+    spec = WORKLOADS[workload]
+    rows = []
+    for jit in ("False", "True"):
+        for threads, cores in ((0, "all cores"), (1, "1 core")):
+            label = f"Sequential{' jit' if jit == 'True' else ''}, {cores}"
+            rows.append((label, 1, ["--kind", "sequential", "--jit", jit, "--threads", str(threads)]))
+    rows.append(("PipelineModel 1 rank, m=1", 1, ["--kind", "pipeline", "--microbatches", "1"]))
+    for m in spec["microbatches"]:
+        for schedule in SCHEDULES if m > 1 else ("1f1b",):
+            label = f"PipelineModel 2 ranks {schedule}, m={m}"
+            rows.append((label, 2, ["--kind", "pipeline", "--microbatches", str(m), "--schedule", schedule]))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description="PipelineModel throughput beside plain Keras.")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="sequential", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="mlp-2048x4", choices=sorted(MODELS))
+    parser.add_argument("--jit", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default="mlp-b64", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
-    parser.add_argument("--epochs", type=int, default=5, help="timed epochs per run")
-    parser.add_argument("--quick", action="store_true", help="2 timed epochs per run")
-    parser.add_argument("--models", nargs="*", default=sorted(MODELS), help="models to run")
-    parser.add_argument("--smoke", action="store_true", help="one model, (a), (b) and (d) 1f1b m=8, 1 timed epoch")
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs per launch")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (the median is shown)")
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--smoke", action="store_true", help="the small workload, 1 round of 1 epoch, 3 configurations")
     args = parser.parse_args()
     if args.worker:
+        args.jit = {"True": True, "False": False}.get(args.jit, "auto")
         return worker(args)
-    epochs = "2" if args.quick else str(args.epochs)
     if args.smoke:
-        epochs, args.models = "1", ["deep-512x16"]
-    print(f"host: {os.cpu_count()} cores; batch {BATCH}; {STEPS_PER_EPOCH} steps per epoch; median of {epochs} epochs")
-    header = f"{'model':<13} {'configuration':<34} {'samples/s':>10} {'vs (a)':>7} {'efficiency':>10}"
+        args.workloads, args.rounds, args.epochs = ["small"], 1, 1
+    print(f"host: {os.cpu_count()} cores; median of {args.rounds} alternated rounds of {args.epochs} timed epochs")
+    for workload in args.workloads:
+        spec = WORKLOADS[workload]
+        rows = configurations(workload)
+        if args.smoke:
+            rows = [row for row in rows if row[0].endswith(("all cores", "1f1b, m=4"))]
+        speeds: dict[str, list[float]] = {label: [] for label, _, _ in rows}
+        for _ in range(args.rounds):
+            for label, ranks, worker_args in rows:
+                common = ["--workload", workload, "--epochs", str(args.epochs)]
+                speeds[label].append(launch(ranks, *worker_args, *common))
+        print_table(workload, spec, {label: statistics.median(values) for label, values in speeds.items()})
+
+
+def print_table(workload: str, spec: dict, median: dict) -> None:
+    batch = spec["batch"]
+    one_core = max(median.get("Sequential, 1 core", 0), median.get("Sequential jit, 1 core", 0))
+    one_core = one_core or max(median["Sequential, all cores"], median["Sequential jit, all cores"]) / 2
+    baseline = median["Sequential, all cores"]
+    print(f"\n{workload}: batch {batch}; 'vs Seq' = against Sequential with the default compile() on all cores")
+    header = f"{'configuration':<36} {'samples/s':>10} {'ms/step':>8} {'vs Seq':>7} {'efficiency':>10}"
     print(header)
     print("-" * len(header))
-    for model in args.models:
-        common = ["--model", model, "--epochs", epochs]
-        a = launch(1, "--kind", "sequential", *common)
-        b = launch(1, "--kind", "sequential", "--threads", "1", *common)
-        rows = [("(a) Sequential, all cores", a, None), ("(b) Sequential, 1 core", b, None)]
-        for m in () if args.smoke else (1, 4):
-            c = launch(1, "--kind", "pipeline", "--microbatches", str(m), *common)
-            rows.append((f"(c) PipelineModel 1 rank, m={m}", c, None))
-        for m in (8,) if args.smoke else (4, 8):
-            for schedule in ("1f1b",) if args.smoke else ("1f1b", "gpipe"):
-                d = launch(2, "--kind", "pipeline", "--microbatches", str(m), "--schedule", schedule, *common)
-                ideal = 2 * m / (m + 1) * b
-                rows.append((f"(d) PipelineModel 2 ranks {schedule}, m={m}", d, d / ideal))
-        for name, speed, efficiency in rows:
-            eff = f"{100 * efficiency:9.1f}%" if efficiency is not None else ""
-            print(f"{model:<13} {name:<34} {speed:10.1f} {speed / a:7.2f} {eff:>10}", flush=True)
+    for label, speed in median.items():
+        efficiency = ""
+        if label.startswith("PipelineModel"):
+            ranks = 2 if "2 ranks" in label else 1
+            m = int(label.rsplit("m=", 1)[1])
+            ideal = ranks * m / (m + ranks - 1) * one_core
+            efficiency = f"{100 * speed / ideal:9.1f}%"
+        print(f"{label:<36} {speed:10.1f} {1000 * batch / speed:8.2f} {speed / baseline:7.2f} {efficiency:>10}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 
 import keras
-from keras.src.utils import file_utils
 
+from keras_pipe import compat
 from keras_pipe.comm import Communicator
 
 _WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
@@ -41,6 +41,7 @@ def adapt_callbacks(callbacks, comm: Communicator):
 
 def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communicator) -> None:
     root = comm.rank == 0
+    files = compat.file_utils()
 
     def load_model():
         model = callback.model
@@ -48,32 +49,34 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             raise ValueError(
                 "To use the BackupAndRestore callback, build the model before fit() (start it with keras.Input)."
             )
+        paths = compat.backup_paths(callback)
         found = None
         if root:
-            found = {"weights": file_utils.exists(callback._weights_path), "epoch": None}
-            if file_utils.exists(callback._training_metadata_path):
-                with file_utils.File(callback._training_metadata_path, "r") as f:
+            found = {"weights": files.exists(paths["weights_path"]), "epoch": None}
+            if files.exists(paths["training_metadata_path"]):
+                with files.File(paths["training_metadata_path"], "r") as f:
                     found["epoch"] = json.loads(f.read())["epoch"]
         found = comm.bcast_json(found, root=0)
         if found["weights"]:
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)
-            model.load_weights(callback._weights_path)
+            model.load_weights(paths["weights_path"])
         if found["epoch"] is not None:
-            model._initial_epoch = found["epoch"]
+            compat.set_initial_epoch(model, found["epoch"])
 
     def save_model():
+        paths = compat.backup_paths(callback)
         if root:
-            if not file_utils.exists(callback.backup_dir):
-                file_utils.makedirs(callback.backup_dir)
-            if callback.double_checkpoint and file_utils.exists(callback._weights_path):
-                file_utils.copy(callback._weights_path, callback._prev_weights_path)
-            if callback.double_checkpoint and file_utils.exists(callback._training_metadata_path):
-                file_utils.copy(callback._training_metadata_path, callback._prev_training_metadata_path)
-        callback.model.save_weights(filepath=callback._weights_path, overwrite=True)
+            if not files.exists(callback.backup_dir):
+                files.makedirs(callback.backup_dir)
+            if callback.double_checkpoint and files.exists(paths["weights_path"]):
+                files.copy(paths["weights_path"], paths["prev_weights_path"])
+            if callback.double_checkpoint and files.exists(paths["training_metadata_path"]):
+                files.copy(paths["training_metadata_path"], paths["prev_training_metadata_path"])
+        callback.model.save_weights(filepath=paths["weights_path"], overwrite=True)
         if root:
-            with file_utils.File(callback._training_metadata_path, "w") as f:
-                f.write(json.dumps({"epoch": callback._current_epoch, "batch": callback._last_batch_seen}))
+            with files.File(paths["training_metadata_path"], "w") as f:
+                f.write(json.dumps({"epoch": paths["current_epoch"], "batch": paths["last_batch_seen"]}))
 
     original_end = callback.on_train_end
 
@@ -82,6 +85,5 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             original_end(logs)
         comm.barrier()
 
-    callback._load_model = load_model
-    callback._save_model = save_model
+    compat.replace_backup_io(callback, load_model, save_model)
     callback.on_train_end = on_train_end

@@ -9,7 +9,6 @@ from __future__ import annotations
 import keras
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.failure import mark_collective
 
 
 def check_arguments(arguments: dict) -> None:
@@ -49,7 +48,7 @@ def check_model(model) -> None:
 
 
 def refuse(message: str) -> PipelineConfigError:
-    return mark_collective(PipelineConfigError(message))
+    return PipelineConfigError(message)
 
 
 MICROBATCH_REDUCTIONS = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")

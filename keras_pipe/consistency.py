@@ -16,9 +16,9 @@ import json
 
 import numpy as np
 
+from keras_pipe import compat
 from keras_pipe.comm import Communicator
 from keras_pipe.errors import RankMismatchError
-from keras_pipe.failure import mark_collective
 
 PHASES = {"train": 1, "test": 2, "predict": 3, "end": 4}
 _PHASE_NAMES = {code: name for name, code in PHASES.items()}
@@ -38,14 +38,12 @@ def model_fingerprint(model) -> dict:
         "balance": list(model.balance or []),
         "num_microbatches": model.num_microbatches,
         "schedule": model.schedule,
-        "input": list(map(str, model._input_shape_dtype or [])),
+        "input": list(map(str, model._pipeline_input or [])),
         "dtype_policy": str(getattr(model.dtype_policy, "name", model.dtype_policy)),
     }
     if model.compiled:
         fingerprint["loss"] = _digest(_describe(model.loss))
-        fingerprint["metrics"] = _digest(
-            _describe(getattr(model, "_compile_config", None) and model._compile_config.config.get("metrics"))
-        )
+        fingerprint["metrics"] = _digest(_describe(compat.compile_config_metrics(model)))
         fingerprint["optimizer"] = type(model.optimizer).__name__ if model.optimizer is not None else None
     return fingerprint
 
@@ -93,7 +91,7 @@ def check_same_everywhere(comm: Communicator, what: str, values: dict) -> None:
             shown = "; ".join(f"ranks {ranks}: {_short(v)}" for v, ranks in groups.items())
             differences.append(f"  {key}: {shown}")
     if differences:
-        raise mark_collective(
+        raise (
             RankMismatchError(
                 f"the ranks disagree on {what}:\n" + "\n".join(differences) + "\nEvery rank must run the same "
                 "script with the same model, compile() and fit()/evaluate()/predict() arguments."
@@ -131,6 +129,7 @@ class StepAgreement:
     def __init__(self, comm: Communicator, data_ranks: list[int] | None = None):
         self.comm = comm
         self.call = 0
+        self.step = 0
         self.data_ranks = list(data_ranks or [])
 
     def begin_call(self) -> None:
@@ -146,7 +145,7 @@ class StepAgreement:
             digests = {int(everyone[rank, 5]) for rank in self.data_ranks}
             if len(digests) <= 1:
                 return
-            raise mark_collective(
+            raise (
                 RankMismatchError(
                     f"the replicas read different batches at {_PHASE_NAMES[int(header[0])]} step {self.step - 1} "
                     f"(batch digests of the first stages, ranks {self.data_ranks}: "
@@ -163,7 +162,7 @@ class StepAgreement:
                 f"batch of {size}" if data else "no more data"
             )
             rows.append(f"  rank {rank}: {state}")
-        raise mark_collective(
+        raise (
             RankMismatchError(
                 "the ranks are out of step:\n" + "\n".join(rows) + "\nThe ranks' data must give the same number "
                 "of batches of the same sizes (same data size, batch_size and steps), and every rank must make "

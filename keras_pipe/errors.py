@@ -1,7 +1,17 @@
-"""The exceptions keras_pipe raises, one per family of mistakes."""
+"""The exceptions keras_pipe raises, one per family of mistakes.
+
+A :class:`CollectiveError` is raised alike on every rank (a bad option, a
+disagreement every rank has found, a file rank 0 could not read): each rank
+reports it and exits normally. Any other exception on one rank ends the
+whole job (see :mod:`keras_pipe.failure`).
+"""
 
 
-class PipelineConfigError(ValueError):
+class CollectiveError(Exception):
+    """Raised identically on every rank, so no rank is left waiting: no abort is needed."""
+
+
+class PipelineConfigError(CollectiveError, ValueError):
     """The model, its split or its options cannot form a pipeline.
 
     Raised on every rank, before any communication starts, with the values
@@ -9,13 +19,13 @@ class PipelineConfigError(ValueError):
     """
 
 
-class RankMismatchError(ValueError):
+class RankMismatchError(CollectiveError, ValueError):
     """The ranks disagree on something they must share (model, split, data)."""
+
+
+class PipelineIOError(CollectiveError, OSError):
+    """Rank 0 could not read or write a file; every rank raises it."""
 
 
 class PipelineStallError(RuntimeError):
     """A rank waited longer than the stall timeout for a neighbour."""
-
-
-class RemoteRankError(RuntimeError):
-    """Another rank of the pipeline failed; this rank stops too."""

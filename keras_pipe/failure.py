@@ -1,36 +1,30 @@
 """Failing fast: one rank's exception ends every rank, with a message naming it.
 
 A pipeline rank that raises leaves its neighbours waiting for messages that
-never come. Inside ``fit``/``evaluate``/``predict`` (and, through
-``sys.excepthook``, anywhere else in the script) keras_pipe prints the error
-prefixed with the failing rank and calls ``MPI_Abort``, which makes the MPI
-launcher end every process with a non-zero exit code.
+never come. Inside ``fit``/``evaluate``/``predict`` and the other collective
+methods (the :func:`collective` decorator) and, through ``sys.excepthook``
+once :func:`keras_pipe.init` has run, anywhere else in the script,
+keras_pipe prints the error prefixed with the failing rank and calls
+``MPI_Abort``, which makes the MPI launcher end every process with a
+non-zero exit code.
 
-Errors that every rank raises alike before any communication (a bad
-``balance``, say) are marked *collective*: each rank prints its own message
-and exits normally with status 1, so the message appears once per rank.
+A :class:`~keras_pipe.errors.CollectiveError` is raised alike on every rank
+(a bad ``balance``, say): each rank prints its own message and exits
+normally with status 1, no abort needed.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import sys
 import traceback
 
 from mpi4py import MPI
 
+from keras_pipe.errors import CollectiveError
+
 _installed = False
-
-
-def mark_collective(error: BaseException) -> BaseException:
-    """Marks ``error`` as raised identically on every rank (no abort needed)."""
-    error._keras_pipe_collective = True  # type: ignore[attr-defined]
-    return error
-
-
-def is_collective(error: BaseException) -> bool:
-    return bool(getattr(error, "_keras_pipe_collective", False))
 
 
 def describe_failure(error: BaseException, where: str) -> str:
@@ -53,15 +47,25 @@ def abort(error: BaseException, where: str) -> None:
     os._exit(1)  # MPI_Abort may return before the launcher kills this process
 
 
-@contextlib.contextmanager
-def fail_fast(where: str):
-    """Aborts the job when the block raises on this rank (when there are several ranks)."""
-    try:
-        yield
-    except BaseException as error:
-        if MPI.COMM_WORLD.Get_size() > 1 and not is_collective(error):
-            abort(error, where)
-        raise
+def collective(method):
+    """Decorates a method every rank calls together: an error on one rank aborts the job.
+
+    A :class:`CollectiveError` (raised alike everywhere) propagates
+    normally; anything else, with more than one rank, is printed naming this
+    rank and the method, and the job is aborted, as the other ranks would
+    otherwise wait for this one forever.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except BaseException as error:
+            if MPI.COMM_WORLD.Get_size() > 1 and not isinstance(error, CollectiveError):
+                abort(error, f"{method.__name__}()")
+            raise
+
+    return wrapper
 
 
 def install_excepthook() -> None:
@@ -72,7 +76,7 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(kind, error, tb):
-        if is_collective(error):
+        if isinstance(error, CollectiveError):
             sys.stderr.write(f"[keras_pipe] rank {MPI.COMM_WORLD.Get_rank()}: ")
             previous(kind, error, tb)
             sys.stderr.flush()

@@ -8,11 +8,11 @@ variable initialisation, so no memory is allocated for other stages' weights.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import keras
-from keras.src.backend import StatelessScope
 
 from keras_pipe.errors import PipelineConfigError
 
@@ -48,8 +48,8 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
     for index, layer in enumerate(layers):
         probe = shadow_copy(layer)
         try:
-            with StatelessScope():
-                y = probe(x)
+            with keras.StatelessScope():
+                y = probe(x) if probe is not None else layer.compute_output_spec(x)
         except Exception as error:  # noqa: BLE001 - re-raised with context
             raise PipelineConfigError(
                 f"layer {index} ({layer.name}, {type(layer).__name__}) cannot be called on an input of "
@@ -60,8 +60,8 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
                 f"layer {index} ({layer.name}, {type(layer).__name__}) returns {type(y).__name__}; "
                 "a pipeline stage boundary needs a single tensor per layer, as keras.Sequential does."
             )
-        weights = probe.weights if probe is not layer or layer.built else []
-        trainable = probe.trainable_weights if probe is not layer or layer.built else []
+        weights = probe.weights if probe is not None and (probe is not layer or layer.built) else []
+        trainable = probe.trainable_weights if probe is not None and (probe is not layer or layer.built) else []
         specs.append(
             LayerSpec(
                 name=layer.name,
@@ -79,20 +79,53 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
     return specs
 
 
-def shadow_copy(layer: keras.layers.Layer) -> keras.layers.Layer:
-    """An unbuilt copy of ``layer`` to probe shapes on; the layer itself if it cannot be copied."""
+def shadow_copy(layer: keras.layers.Layer) -> keras.layers.Layer | None:
+    """An unbuilt copy of ``layer`` to probe shapes on; the layer itself if it has no weights to create.
+
+    ``None`` for a layer that cannot be copied but creates no weights (no
+    ``build()`` of its own): its output spec is computed without building it.
+    """
+    if layer.built and not layer.weights:
+        return layer
+    if type(layer).build is keras.layers.Layer.build:
+        try:
+            return copy_layer(layer)
+        except PipelineConfigError:
+            return None
+    return copy_layer(layer)
+
+
+def copy_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """A new layer like ``layer``, with the same trainable flag: from its config, else a deep copy.
+
+    A ``Lambda`` holding a Python lambda, or a custom layer whose
+    ``__init__`` takes no ``**kwargs``, cannot be re-created from its config
+    (Keras refuses the first, the second's constructor rejects ``name``);
+    a deep copy of the object works for both.
+    """
+    try:
+        clone = type(layer).from_config(layer.get_config())
+    except Exception as config_error:  # noqa: BLE001 - the deep copy is the fallback
+        try:
+            clone = copy.deepcopy(layer)
+        except Exception as copy_error:  # noqa: BLE001
+            raise PipelineConfigError(
+                f"layer {layer.name!r} ({type(layer).__name__}) can be neither re-created from its config "
+                f"({config_error}) nor deep-copied ({copy_error}); keras_pipe copies a layer to infer shapes on "
+                "the ranks that do not own it. Give the layer a get_config() whose keys its __init__ accepts."
+            ) from copy_error
+    clone.trainable = layer.trainable
+    return clone
+
+
+def copy_unless_weightless(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """``layer`` itself if it holds no weights or cannot be copied, else an unbuilt copy (for ``from_sequential``)."""
     if layer.built and not layer.weights:
         return layer
     try:
-        clone = type(layer).from_config(layer.get_config())
-    except Exception as error:  # noqa: BLE001
-        raise PipelineConfigError(
-            f"layer {layer.name!r} ({type(layer).__name__}) cannot be re-created from its config "
-            f"({error}); keras_pipe needs get_config()/from_config() to infer shapes on ranks "
-            "that do not own the layer. Implement get_config() in the layer class."
-        ) from error
-    clone.trainable = layer.trainable
-    return clone
+        return copy_layer(layer)
+    except PipelineConfigError:
+        return layer  # its weights stay alive on every rank; correct, if not frugal
 
 
 def _size(shape) -> int:

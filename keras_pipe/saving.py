@@ -19,7 +19,8 @@ import numpy as np
 
 from keras_pipe import partition
 from keras_pipe.comm import TAG_STATE, Communicator
-from keras_pipe.failure import mark_collective
+from keras_pipe.errors import PipelineIOError
+from keras_pipe.weights import copy_from_first_replica
 
 ROOT = 0
 
@@ -73,7 +74,7 @@ def on_root(comm: Communicator, action, what: str):
             error = f"{type(failure).__name__}: {failure}"
     error = comm.bcast_json(error, root=ROOT)
     if error is not None:
-        raise mark_collective(OSError(f"rank 0 could not {what}: {error}"))
+        raise PipelineIOError(f"rank 0 could not {what}: {error}")
     return result
 
 
@@ -105,9 +106,7 @@ def assign_optimizer_state(optimizer, variables, state: dict, first_index: int =
     mine = optimizer_state(optimizer, variables, first_index)
     missing = sorted(set(mine) - set(state))
     if missing:
-        raise mark_collective(
-            ValueError(f"the saved optimizer state lacks {missing[:5]}: was it saved with another optimizer?")
-        )
+        raise PipelineIOError(f"the saved optimizer state lacks {missing[:5]}: was it saved with another optimizer?")
     lookup = dict(zip(mine, optimizer.variables))
     for key, slot in lookup.items():
         slot.assign(state[key])
@@ -122,7 +121,7 @@ def _path_key(variable) -> str:
 
 def skeleton(model) -> keras.Sequential:
     """A ``Sequential`` with ``model``'s layers re-created from their configs, compiled as ``model`` is."""
-    shape, dtype = model._input_shape_dtype
+    shape, dtype = model.engine.input_spec
     layers = [keras.layers.deserialize(keras.layers.serialize(layer)) for layer in model.layers]
     sequential = keras.Sequential([keras.Input(batch_shape=shape, dtype=dtype), *layers], name=model.name)
     if model.compiled:
@@ -139,15 +138,15 @@ def to_sequential(model) -> keras.Sequential | None:
     """
     if model.replica_index != 0:
         return None
-    comm = model._pipe
-    stage = model._stage
-    gathered = gather_to_root(comm, [v.numpy() for layer in stage.layers for v in layer.weights])
-    offset = _first_trainable_index(model)
+    engine = model.engine
+    comm = engine.pipeline
+    gathered = gather_to_root(comm, [v.numpy() for v in engine.stage_weights()])
+    offset = engine.weight_offset(trainable=True)
     optimizer = model.optimizer if model.compiled else None
     with_optimizer = comm.allgather_json(bool(optimizer is not None and optimizer.built))
     opt_parts = None
     if all(with_optimizer):
-        state = optimizer_state(optimizer, stage.trainable_variables, offset)
+        state = optimizer_state(optimizer, engine.compute.trainable_variables, offset)
         names = sorted(state)
         parts = gather_to_root(comm, [state[name] for name in names])
         keys = comm.allgather_json(names)
@@ -171,22 +170,23 @@ def load_into(model, sequential: keras.Sequential | None) -> None:
     """
     if model.replica_index == 0:
         _load_pipeline(model, sequential)
-    model._sync_replicas(optimizer=True)
+    copy_from_first_replica(model.engine, model.optimizer if model.compiled else None)
 
 
 def _load_pipeline(model, sequential: keras.Sequential | None) -> None:
-    comm = model._pipe
+    engine = model.engine
+    comm = engine.pipeline
     bounds = partition.stage_bounds(model.balance)
     per_rank = None
     if comm.rank == ROOT:
         per_rank = [[w.numpy() for layer in sequential.layers[a:b] for w in layer.weights] for a, b in bounds]
     weights = scatter_from_root(comm, per_rank)
-    for variable, value in zip((v for layer in model._stage.layers for v in layer.weights), weights):
+    for variable, value in zip(engine.stage_weights(), weights):
         variable.assign(value)
     has_state = comm.bcast_json(
         bool(
             sequential is not None
-            and sequential.optimizer is not None
+            and getattr(sequential, "optimizer", None) is not None  # an uncompiled model has none
             and sequential.optimizer.built
             and model.compiled
         )
@@ -209,15 +209,10 @@ def _load_pipeline(model, sequential: keras.Sequential | None) -> None:
     values = scatter_from_root(comm, [[full[k] for k in ks] for ks in per_rank_state] if comm.rank == ROOT else None)
     optimizer = model.optimizer
     if not optimizer.built:
-        optimizer.build(model._stage.trainable_variables)
+        optimizer.build(engine.compute.trainable_variables)
     assign_optimizer_state(
-        optimizer, model._stage.trainable_variables, dict(zip(keys, values)), _first_trainable_index(model)
+        optimizer, engine.compute.trainable_variables, dict(zip(keys, values)), engine.weight_offset(trainable=True)
     )
-
-
-def _first_trainable_index(model) -> int:
-    start, _ = partition.stage_bounds(model.balance)[model.stage_index]
-    return sum(len(spec.trainable_shapes) for spec in model._specs[:start])
 
 
 def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline_options):

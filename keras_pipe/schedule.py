@@ -1,71 +1,131 @@
 """Pipeline schedules as plain data: the ordered actions of every stage.
 
-A schedule says, for each stage, in which order it runs the forward and the
-backward pass of each micro-batch. It holds no tensors and does no
-communication, so it is generated and checked in a single process; the
-executor in :mod:`keras_pipe.stage` walks it. Communication follows from the
-actions: a forward on stage ``s > 0`` receives activations from ``s - 1``, a
-forward on stage ``s < last`` sends them to ``s + 1``; a backward receives the
-gradient from ``s + 1`` (unless ``s`` is last) and sends the gradient of its
-input to ``s - 1`` (unless ``s`` is first).
+A schedule says, for each stage, in which order it runs which computation on
+which micro-batch. It holds no tensors and does no communication, so it is
+generated and checked in a single process; :mod:`keras_pipe.executor` walks
+it. Communication follows from the actions: a forward on stage ``s > 0``
+receives activations from ``s - 1``, a forward on stage ``s < last`` sends
+them to ``s + 1``; an action computing an input gradient receives the
+gradient of the stage output from ``s + 1`` (unless ``s`` is last) and sends
+the gradient of the stage input to ``s - 1`` (unless ``s`` is first).
 
-Both schedules run the backward passes of a stage in micro-batch order
-0, 1, ..., m - 1, so weight gradients are summed in the same order and the two
-schedules give bit-identical training results. In both, the last stage runs
-each micro-batch's backward right after its forward: it needs nothing from
-another rank for it, the executor fuses the two into one graph, and the
-last stage keeps one micro-batch of activations instead of ``m``.
+The kinds of action (:class:`Kind`), as in the zero-bubble papers:
+
+- ``F``: the forward of one micro-batch;
+- ``B``: its whole backward, input gradient and weight gradients together;
+- ``I``: only the gradient with respect to the stage input (what the
+  previous stage waits for), keeping what the weight gradients need;
+- ``W``: the weight gradients of one or more micro-batches, in one pass;
+- ``FB`` and ``FI``: the last stage's forward, loss and ``B`` (or ``I``) of
+  one micro-batch as one computation. The last stage needs nothing from
+  another rank between its forward and its backward, so the schedule says so
+  with one action instead of a rule the executor would have to remember.
+
+With a split backward (``I`` + ``W``), ``"1f1b"`` and ``"gpipe"`` run one
+``W`` over all the step's micro-batches at the end: the work proportional to
+the weights (writing each weight gradient) is paid once per batch, as in
+``keras.Sequential``, instead of once per micro-batch, and the ``W`` of the
+later stages fills the cool-down bubble. ``"zb-h1"`` (Qi et al., *Zero
+Bubble Pipeline Parallelism*, 2024) runs one ``W`` per micro-batch, placed
+to fill the bubbles at 1F1B's activation memory.
+
+Every schedule runs the input-gradient passes of a stage in micro-batch
+order 0, 1, ..., m - 1 and weight gradients are summed in that order, so
+``"1f1b"`` and ``"gpipe"`` give bit-identical training results.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 from keras_pipe.errors import PipelineConfigError
 
-FORWARD = "F"
-BACKWARD = "B"
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+
+
+class Kind(enum.Enum):
+    """What an action computes."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    FORWARD_BACKWARD = "FB"
+    FORWARD_INPUT = "FI"
+
+    @property
+    def forwards(self) -> bool:
+        return self in (Kind.FORWARD, Kind.FORWARD_BACKWARD, Kind.FORWARD_INPUT)
+
+    @property
+    def input_gradient(self) -> bool:
+        """Whether the action computes the gradient of the stage input (and sends it upstream)."""
+        return self in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.FORWARD_BACKWARD, Kind.FORWARD_INPUT)
+
+    @property
+    def weight_gradient(self) -> bool:
+        return self in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT, Kind.FORWARD_BACKWARD)
+
+
+# The kinds as the tests and diagrams spell them.
+FORWARD, BACKWARD = Kind.FORWARD, Kind.BACKWARD
+BACKWARD_INPUT, BACKWARD_WEIGHT = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+FORWARD_BACKWARD, FORWARD_INPUT = Kind.FORWARD_BACKWARD, Kind.FORWARD_INPUT
 
 
 class Action(NamedTuple):
-    """One step of a stage's schedule: ``kind`` (``"F"`` or ``"B"``) of a micro-batch."""
+    """One step of a stage's schedule: ``kind`` on ``microbatches`` (one, except for a batched ``W``)."""
 
-    kind: str
-    microbatch: int
+    kind: Kind
+    microbatches: tuple
+
+    @property
+    def microbatch(self) -> int:
+        """The (first) micro-batch of the action."""
+        return self.microbatches[0]
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        mbs = self.microbatches
+        if len(mbs) > 1 and list(mbs) == list(range(mbs[0], mbs[-1] + 1)):
+            return f"{self.kind.value}{mbs[0]}-{mbs[-1]}"
+        return self.kind.value + ",".join(map(str, mbs))
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+def act(kind: Kind, *microbatches: int) -> Action:
+    """``act(Kind.FORWARD, 3)``: an action on the given micro-batches."""
+    return Action(kind, tuple(microbatches))
+
+
+def gpipe(num_stages: int, num_microbatches: int, split_backward: bool = False) -> list[list[Action]]:
     """All forwards, then all backwards (GPipe).
 
     Every stage but the last keeps the activations of all ``m``
-    micro-batches alive; the last one runs each backward after its forward.
+    micro-batches alive; the last one runs each backward with its forward.
 
     ```
     # GPipe, 3 stages, 4 micro-batches:
-    # stage 0: F0 F1 F2 F3 .. .. .. .. B0 B1 B2 B3
+    # stage 0: F0 F1 F2 F3 .. .. .. .. .. .. B0 B1 B2 B3
     # stage 1:    F0 F1 F2 F3 .. .. B0 B1 B2 B3
-    # stage 2:       F0 B0 F1 B1 F2 B2 F3 B3
+    # stage 2:       FB0 FB1 FB2 FB3
+    # with split_backward=True the Bs become Is (FBs FIs) and each stage ends with W0-3.
     ```
 
     Example:
 
     >>> [str(a) for a in gpipe(2, 2)[0]]
     ['F0', 'F1', 'B0', 'B1']
-    >>> [str(a) for a in gpipe(2, 2)[1]]
-    ['F0', 'B0', 'F1', 'B1']
+    >>> [str(a) for a in gpipe(2, 2, split_backward=True)[1]]
+    ['FI0', 'FI1', 'W0-1']
     """
     _check(num_stages, num_microbatches)
     m = num_microbatches
-    stage = [Action(FORWARD, i) for i in range(m)] + [Action(BACKWARD, i) for i in range(m)]
-    last = [Action(kind, i) for i in range(m) for kind in (FORWARD, BACKWARD)]
-    return [list(stage) for _ in range(num_stages - 1)] + [last]
+    stage = [act(FORWARD, i) for i in range(m)] + [act(BACKWARD, i) for i in range(m)]
+    last = [act(FORWARD_BACKWARD, i) for i in range(m)]
+    return _split([list(stage) for _ in range(num_stages - 1)] + [last], split_backward)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = False) -> list[list[Action]]:
     """One forward, one backward (PipeDream-Flush / 1F1B).
 
     Stage ``s`` runs ``P - s - 1`` warm-up forwards, then alternates one
@@ -76,27 +136,62 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     # 1F1B, 3 stages, 4 micro-batches (F = forward, B = backward):
     # stage 0: F0 F1 F2 B0 F3 B1 B2 B3
     # stage 1:    F0 F1 B0 F2 B1 F3 B2 B3
-    # stage 2:       F0 B0 F1 B1 F2 B2 F3 B3
+    # stage 2:       FB0 FB1 FB2 FB3
     ```
 
     Example:
 
     >>> [str(a) for a in one_f_one_b(3, 4)[0]]
     ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
+    >>> [str(a) for a in one_f_one_b(2, 3, split_backward=True)[0]]
+    ['F0', 'F1', 'I0', 'F2', 'I1', 'I2', 'W0-2']
+    """
+    _check(num_stages, num_microbatches)
+    schedule = []
+    for s in range(num_stages - 1):
+        schedule.append(_one_f_one_b_stage(num_stages, s, num_microbatches, BACKWARD))
+    schedule.append([act(FORWARD_BACKWARD, i) for i in range(num_microbatches)])
+    return _split(schedule, split_backward)
+
+
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into I and W, Ws filling the bubbles.
+
+    Stage ``s`` holds back the W of its first ``P - s - 1`` micro-batches and
+    runs them in the cool-down, where 1F1B would wait for gradients; its
+    activation memory stays that of 1F1B.
+
+    ```
+    # ZB-H1, 3 stages, 4 micro-batches:
+    # stage 0: F0 F1 F2 I0 F3 I1 W0 I2 W1 I3 W2 W3
+    # stage 1:    F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
+    # stage 2:       FI0 W0 FI1 W1 FI2 W2 FI3 W3
+    ```
+
+    >>> [str(a) for a in zero_bubble_h1(2, 3)[1]]
+    ['FI0', 'W0', 'FI1', 'W1', 'FI2', 'W2']
     """
     _check(num_stages, num_microbatches)
     m = num_microbatches
     schedule = []
     for s in range(num_stages):
-        warmup = min(num_stages - s - 1, m)
-        actions = [Action(FORWARD, i) for i in range(warmup)]
-        next_forward, next_backward = warmup, 0
-        while next_backward < m:
-            if next_forward < m:
-                actions.append(Action(FORWARD, next_forward))
-                next_forward += 1
-            actions.append(Action(BACKWARD, next_backward))
-            next_backward += 1
+        held_back = num_stages - s - 1
+        order = (
+            _one_f_one_b_stage(num_stages, s, m, BACKWARD_INPUT)
+            if held_back
+            else [act(FORWARD_INPUT, i) for i in range(m)]
+        )
+        actions, pending, forwards_left = [], [], m
+        for action in order:
+            actions.append(action)
+            if action.kind is FORWARD:
+                forwards_left -= 1
+                continue
+            pending.append(action.microbatch)
+            # steady state: keep `held_back` Ws pending; cool-down (no forward left): one W per I
+            if len(pending) > held_back or (forwards_left == 0 and len(pending) > 1):
+                actions.append(act(BACKWARD_WEIGHT, pending.pop(0)))
+        actions += [act(BACKWARD_WEIGHT, i) for i in pending]
         schedule.append(actions)
     return schedule
 
@@ -104,37 +199,66 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 def forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """Forwards only, in order: the schedule of ``evaluate`` and ``predict``."""
     _check(num_stages, num_microbatches)
-    return [[Action(FORWARD, i) for i in range(num_microbatches)] for _ in range(num_stages)]
+    return [[act(FORWARD, i) for i in range(num_microbatches)] for _ in range(num_stages)]
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """Returns the training schedule called ``name`` (``"1f1b"`` or ``"gpipe"``)."""
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, split_backward: bool = False
+) -> list[list[Action]]:
+    """The training schedule called ``name`` (one of :data:`SCHEDULES`).
+
+    ``split_backward`` asks for I + W actions instead of B (``"zb-h1"`` always
+    splits).
+    """
+    check_name(name)
     if name == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches)
+        return one_f_one_b(num_stages, num_microbatches, split_backward)
     if name == "gpipe":
-        return gpipe(num_stages, num_microbatches)
-    raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(repr(s) for s in SCHEDULES)}.")
+        return gpipe(num_stages, num_microbatches, split_backward)
+    return zero_bubble_h1(num_stages, num_microbatches)
+
+
+def check_name(name) -> None:
+    """Raises :class:`PipelineConfigError` unless ``name`` is a known schedule."""
+    if name not in SCHEDULES:
+        raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(map(repr, SCHEDULES))}.")
+
+
+def needs_split_backward(name: str) -> bool:
+    """Whether the schedule only exists with a split backward (I and W)."""
+    return name == "zb-h1"
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """The largest number of micro-batches whose activations a stage holds at once."""
+    """The largest number of micro-batches whose activations a stage holds at once (between F and B/I)."""
     alive = peak = 0
     for action in actions:
-        alive += 1 if action.kind == FORWARD else -1
-        peak = max(peak, alive)
+        if action.kind is FORWARD:
+            alive += 1
+        elif action.kind in (BACKWARD, BACKWARD_INPUT):
+            alive -= 1
+        peak = max(peak, alive + (1 if action.kind in (FORWARD_BACKWARD, FORWARD_INPUT) else 0))
     return peak
 
 
-def simulate(schedule: list[list[Action]]) -> list[list[tuple[int, Action]]]:
-    """Runs a schedule on an ideal clock and returns ``(tick, action)`` per stage.
+# Relative duration of each kind on the simulator's clock: a forward, an
+# input gradient and a weight gradient each cost about one matrix product per
+# layer.
+DURATIONS = {FORWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1, BACKWARD: 2, FORWARD_INPUT: 2, FORWARD_BACKWARD: 3}
 
-    Every action takes one tick, sends never block, and an action starts when
-    its stage is free and its input has arrived. Raises
-    :class:`PipelineConfigError` showing the stuck actions if the schedule
-    deadlocks or does not run every forward and backward exactly once.
+
+def simulate(schedule: list[list[Action]], durations: dict | None = None) -> list[list[tuple[int, Action]]]:
+    """Runs a schedule on an ideal clock and returns ``(start tick, action)`` per stage.
+
+    Each action takes ``durations[kind]`` ticks per micro-batch (all 1 by
+    default), sends never block, and an action starts when its stage is free
+    and its inputs have arrived. Raises :class:`PipelineConfigError` showing
+    the stuck actions if the schedule deadlocks, or the stage if it does not
+    run every forward, input gradient and weight gradient exactly once.
     """
+    durations = durations or {}
     num_stages = len(schedule)
-    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) -> end tick
+    done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"I"/"W", microbatch) -> end tick
     position = [0] * num_stages
     free_at = [0] * num_stages
     timeline: list[list[tuple[int, Action]]] = [[] for _ in range(num_stages)]
@@ -144,24 +268,28 @@ def simulate(schedule: list[list[Action]]) -> list[list[tuple[int, Action]]]:
             if position[s] == len(schedule[s]):
                 continue
             action = schedule[s][position[s]]
-            deps = _dependencies(s, action, num_stages)
+            deps = [d for i in action.microbatches for d in _dependencies(s, action.kind, i, num_stages)]
             if all(d in done for d in deps):
                 start = max([free_at[s]] + [done[d] for d in deps])
-                done[(s, action.kind, action.microbatch)] = start + 1
-                free_at[s] = start + 1
+                end = start + durations.get(action.kind, 1) * len(action.microbatches)
+                for i in action.microbatches:
+                    for part in _parts(action.kind):
+                        done[(s, part, i)] = end
+                free_at[s] = end
                 timeline[s].append((start, action))
                 position[s] += 1
                 progressed = True
         if not progressed:
-            raise PipelineConfigError("schedule deadlocks:\n" + _describe(schedule, position))
-    for s, actions in enumerate(schedule):
-        expected = {(k, i) for k in (FORWARD, BACKWARD) for i in range(_num_mb(schedule))}
-        seen = [(a.kind, a.microbatch) for a in actions]
-        if len(seen) != len(set(seen)) or (
-            set(seen) != expected and set(seen) != {e for e in expected if e[0] == FORWARD}
-        ):
-            raise PipelineConfigError(f"stage {s} does not run each micro-batch once: {format_actions(actions)}")
+            raise PipelineConfigError("schedule deadlocks:\n" + _show(schedule, position))
+    _check_complete(schedule)
     return timeline
+
+
+def makespan(schedule: list[list[Action]], durations: dict | None = None) -> int:
+    """Ticks from the first action's start to the last one's end, on :func:`simulate`'s clock."""
+    durations = durations or {}
+    timeline = simulate(schedule, durations)
+    return max(start + durations.get(a.kind, 1) * len(a.microbatches) for stage in timeline for start, a in stage)
 
 
 def format_actions(actions: list[Action]) -> str:
@@ -169,25 +297,78 @@ def format_actions(actions: list[Action]) -> str:
     return " ".join(str(a) for a in actions)
 
 
-def _dependencies(stage: int, action: Action, num_stages: int) -> list[tuple[int, str, int]]:
+def format_schedule(schedule: list[list[Action]], marks: dict | None = None) -> str:
+    """One line per stage; ``marks = {stage: position}`` flags an action with ``<-- ERROR HERE``."""
+    return _show(schedule, [(marks or {}).get(s, -1) for s in range(len(schedule))], "<-- ERROR HERE")
+
+
+def _one_f_one_b_stage(num_stages: int, s: int, m: int, backward: Kind) -> list[Action]:
+    warmup = min(num_stages - s - 1, m)
+    actions = [act(FORWARD, i) for i in range(warmup)]
+    next_forward, next_backward = warmup, 0
+    while next_backward < m:
+        if next_forward < m:
+            actions.append(act(FORWARD, next_forward))
+            next_forward += 1
+        actions.append(act(backward, next_backward))
+        next_backward += 1
+    return actions
+
+
+def _split(schedule: list[list[Action]], split_backward: bool) -> list[list[Action]]:
+    """B -> I and FB -> FI, with one W over every micro-batch at the end of each stage."""
+    if not split_backward:
+        return schedule
+    renamed = {BACKWARD: BACKWARD_INPUT, FORWARD_BACKWARD: FORWARD_INPUT}
+    result = []
+    for actions in schedule:
+        split = [Action(renamed.get(a.kind, a.kind), a.microbatches) for a in actions]
+        microbatches = sorted({a.microbatch for a in actions})
+        result.append(split + [Action(BACKWARD_WEIGHT, tuple(microbatches))])
+    return result
+
+
+def _parts(kind: Kind) -> tuple:
+    """What an action completes: its forward ("F"), input gradient ("I") and/or weight gradient ("W")."""
+    return tuple(
+        part for part, has in (("F", kind.forwards), ("I", kind.input_gradient), ("W", kind.weight_gradient)) if has
+    )
+
+
+def _dependencies(stage: int, kind: Kind, i: int, num_stages: int) -> list[tuple[int, str, int]]:
     deps = []
-    if action.kind == FORWARD and stage > 0:
-        deps.append((stage - 1, FORWARD, action.microbatch))
-    if action.kind == BACKWARD:
-        deps.append((stage, FORWARD, action.microbatch))
-        if stage < num_stages - 1:
-            deps.append((stage + 1, BACKWARD, action.microbatch))
+    if kind.forwards and stage > 0:
+        deps.append((stage - 1, "F", i))
+    if kind.input_gradient and not kind.forwards:
+        deps.append((stage, "F", i))
+    if kind.input_gradient and stage < num_stages - 1:
+        deps.append((stage + 1, "I", i))
+    if kind is BACKWARD_WEIGHT:
+        deps.append((stage, "I", i))
     return deps
 
 
-def _num_mb(schedule: list[list[Action]]) -> int:
-    return 1 + max(a.microbatch for actions in schedule for a in actions)
+def _check_complete(schedule: list[list[Action]]) -> None:
+    microbatches = range(1 + max((a.microbatch for actions in schedule for a in actions), default=-1))
+    for s, actions in enumerate(schedule):
+        counts = {part: [0] * len(microbatches) for part in "FIW"}
+        for action in actions:
+            for i in action.microbatches:
+                for part in _parts(action.kind):
+                    counts[part][i] += 1
+        forward_only_stage = not any(counts["I"]) and not any(counts["W"])
+        expected = {"F": 1, "I": 0, "W": 0} if forward_only_stage else {"F": 1, "I": 1, "W": 1}
+        for part, count in counts.items():
+            if any(c != expected[part] for c in count):
+                raise PipelineConfigError(
+                    f"stage {s} does not run each micro-batch's {part} once: {format_actions(actions)}"
+                )
 
 
-def _describe(schedule: list[list[Action]], position: list[int]) -> str:
+def _show(schedule: list[list[Action]], position: list[int], mark: str = "<-- STUCK HERE") -> str:
     lines = []
     for s, actions in enumerate(schedule):
-        parts = [str(a) + (" <-- STUCK HERE" if i == position[s] else "") for i, a in enumerate(actions)]
+        parts = [str(a) + (f" {mark}" if i == position[s] else "") for i, a in enumerate(actions)]
         lines.append(f"stage {s}: " + " ".join(parts))
     return "\n".join(lines)
 

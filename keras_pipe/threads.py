@@ -5,6 +5,13 @@ thread per core) oversubscribe the cores and slow each other down badly. By
 default each rank gets ``cores // ranks_on_this_host`` threads (at least one);
 ``KERAS_PIPE_THREADS=N`` overrides that, and a user who sets TensorFlow's pools
 before importing keras_pipe keeps them.
+
+The pools can only be sized before TensorFlow runs its first op, so this
+happens at import, without any MPI call: the number of ranks on this host
+comes from the launcher's environment (MPICH's Hydra, Open MPI and Slurm set
+it). Under another launcher it is counted when the first ``PipelineModel``
+gathers the ranks' host names, which works if the script creates no tensor
+before it (else a warning says how to size the pools by hand).
 """
 
 from __future__ import annotations
@@ -12,7 +19,10 @@ from __future__ import annotations
 import os
 import warnings
 
-from mpi4py import MPI
+# Set by the launchers, in order of preference: ranks of this job on this host.
+LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+_configured: int | None = None  # threads per rank, once set
 
 
 def host_cores() -> int:
@@ -23,48 +33,63 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def ranks_on_this_host(comm: MPI.Comm | None = None) -> int:
-    """How many ranks of ``comm`` share this host (shared-memory node)."""
-    comm = comm if comm is not None else MPI.COMM_WORLD
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return local.Get_size()
-    finally:
-        local.Free()
+def ranks_on_host_from_environment(environ=os.environ) -> int | None:
+    """How many ranks share this host, as the launcher says; ``None`` if it does not.
 
-
-def default_threads(comm: MPI.Comm | None = None) -> int:
-    """Threads per rank: ``KERAS_PIPE_THREADS``, else this rank's share of the host's cores."""
-    override = os.environ.get("KERAS_PIPE_THREADS")
-    if override:
-        return max(1, int(override))
-    return max(1, host_cores() // ranks_on_this_host(comm))
-
-
-def configure_threads(comm: MPI.Comm | None = None) -> int | None:
-    """Sets TensorFlow's intra- and inter-op pools to :func:`default_threads`.
-
-    Does nothing (returns ``None``) when one rank runs alone on its host and no
-    override is given, or when the user already chose the pools. Must run
-    before TensorFlow executes its first op; later it only warns.
+    >>> ranks_on_host_from_environment({"MPI_LOCALNRANKS": "4"})
+    4
+    >>> ranks_on_host_from_environment({}) is None
+    True
     """
+    for name in LOCAL_SIZE_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def threads_override(environ=os.environ) -> int | None:
+    """``KERAS_PIPE_THREADS`` as a positive integer, or ``None`` when unset; a clear error when invalid."""
+    value = environ.get("KERAS_PIPE_THREADS", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"KERAS_PIPE_THREADS={value!r}: give a positive integer (threads per rank), or unset it.")
+    return int(value)
+
+
+def configure_threads(ranks_on_host: int | None = None, warn: bool = True) -> int | None:
+    """Sets TensorFlow's intra- and inter-op pools to this rank's share of the cores.
+
+    ``ranks_on_host`` defaults to the launcher's figure. Does nothing (returns
+    ``None``) when that is unknown, when one rank runs alone on its host and
+    no override is given, when the user already chose the pools, or when it
+    already ran. After TensorFlow's first op it can only warn.
+    """
+    global _configured
     import tensorflow as tf
 
-    comm = comm if comm is not None else MPI.COMM_WORLD
-    if not os.environ.get("KERAS_PIPE_THREADS") and ranks_on_this_host(comm) == 1:
+    if _configured is not None:
+        return _configured
+    override = threads_override()
+    ranks = ranks_on_host if ranks_on_host is not None else ranks_on_host_from_environment()
+    if override is None and (ranks is None or ranks == 1):
         return None
     if tf.config.threading.get_intra_op_parallelism_threads() != 0:
         return None  # the user's choice
-    threads = default_threads(comm)
+    threads = override or max(1, host_cores() // ranks)
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
     except RuntimeError:
-        warnings.warn(
-            "keras_pipe could not size TensorFlow's thread pools because TensorFlow already ran an op; "
-            "import keras_pipe before creating tensors, or set KERAS_PIPE_THREADS and call "
-            "tf.config.threading.set_*_parallelism_threads yourself. Ranks may oversubscribe the cores.",
-            stacklevel=2,
-        )
+        if warn:
+            warnings.warn(
+                "keras_pipe could not size TensorFlow's thread pools because TensorFlow already ran an op; "
+                "import keras_pipe before creating tensors (under MPICH, Open MPI or Slurm that suffices), "
+                "or set KERAS_PIPE_THREADS and call tf.config.threading.set_*_parallelism_threads yourself. "
+                "Ranks may oversubscribe the cores.",
+                stacklevel=3,
+            )
         return None
+    _configured = threads
     return threads

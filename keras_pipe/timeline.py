@@ -23,12 +23,14 @@ from pathlib import Path
 import keras
 
 from keras_pipe.comm import Communicator
+from keras_pipe.tracing import SpanRecorder
 
-COMPUTE = ("forward", "backward", "forward+backward")
+COMPUTE = ("forward", "backward", "forward+backward", "weights")
 COLORS = {
     "forward": "#4c72b0",
     "backward": "#dd8452",
     "forward+backward": "#8172b3",
+    "weights": "#937860",
     "optimizer": "#55a868",
     "receive activation": "#dddddd",
     "receive gradient": "#bbbbbb",
@@ -72,23 +74,25 @@ class PipelineTimeline(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._step in self.steps:
-            self.model._stage.recorder = []
-            self.model._comm.barrier()  # line the ranks up, so one step's spans do not overlap another's
+            self.model.tracer = SpanRecorder()
+            self.model.engine.world.barrier()  # line the ranks up, so one step's spans do not overlap another's
             self._began = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        stage = self.model._stage
-        if stage.recorder is not None:
+        recorder = self.model.tracer
+        if isinstance(recorder, SpanRecorder):
             ended = time.perf_counter()
-            self.events.append({"step": self._step, "began": self._began, "ended": ended, "spans": stage.recorder})
-            stage.recorder = None
+            self.events.append({"step": self._step, "began": self._began, "ended": ended, "spans": recorder.take()})
+            self.model.tracer = None
         self._step += 1
 
     def on_train_end(self, logs=None):
-        comm: Communicator = self.model._comm
+        comm: Communicator = self.model.engine.world
         everyone = comm.allgather_json(self.events)
         model = self.model
-        m = min(model.num_microbatches, model._last_batch_size or model.num_microbatches)
+        m = model.num_microbatches
+        if self.events and self.events[-1]["spans"]:
+            m = 1 + max(span[2] for event in self.events for span in event["spans"])
         self.theoretical_bubble = (model.num_stages - 1) / (m + model.num_stages - 1)
         self.bubble = bubble_fraction(everyone)
         if comm.rank == 0 and any(everyone):

@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keras_pipe.comm import Communicator
-from keras_pipe.errors import PipelineConfigError, RankMismatchError
-from keras_pipe.failure import mark_collective
+from keras_pipe.errors import RankMismatchError
 from keras_pipe.layout import Layout, host_name
 
 
@@ -41,10 +40,7 @@ def connect(num_stages: int | None = None, stall_timeout: float | None = None) -
     mine = [host_name(), num_stages]
     everyone = world.allgather_json(mine) if world.size > 1 else [mine]
     check_same_num_stages([stages for _, stages in everyone])
-    try:
-        layout = Layout.from_hosts([host for host, _ in everyone], num_stages)
-    except PipelineConfigError as error:
-        raise mark_collective(error) from None
+    layout = Layout.from_hosts([host for host, _ in everyone], num_stages)
     replica, stage = layout.replica_of(world.rank), layout.stage_of(world.rank)
     one_pipeline = layout.num_replicas == 1 and layout.pipelines[0] == list(range(world.size))
     return Topology(
@@ -65,6 +61,6 @@ def check_same_num_stages(values: list) -> None:
     for rank, value in enumerate(values):
         groups.setdefault(repr(value), []).append(rank)
     shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
-    raise mark_collective(
+    raise (
         RankMismatchError(f"the ranks disagree on num_stages: {shown}. Every rank must build the same PipelineModel.")
     )

@@ -18,7 +18,6 @@ EXPECTED = {
     "num_stages differs": "the ranks disagree on num_stages: ranks [0, 1, 2]: 4; ranks [3]: 1",
     "a layer used twice": "appears twice in the layer list",
     "not a chain": "layer 2 (concatenate, Concatenate) cannot be called on an input of shape (None, 16)",
-    "jit_compile=True": "compile(jit_compile=True): a pipeline step sends and receives between micro-batches",
     "global_clipnorm": "global_clipnorm=1.0: the global norm spans every stage's gradients",
     "loss without reduction": "reduction=None cannot be combined over micro-batches",
     "several losses": "a PipelineModel has one output",

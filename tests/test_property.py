@@ -20,7 +20,7 @@ from mpi import run_mpi
     n=st.integers(1, 60),
     width=st.integers(1, 9),
     depth=st.integers(0, 4),
-    schedule=st.sampled_from(["1f1b", "gpipe"]),
+    schedule=st.sampled_from(["1f1b", "gpipe", "zb-h1"]),
 )
 def test_training_equals_sequential_or_fails_clearly(ranks, m, batch, n, width, depth, schedule):
     config = dict(m=m, batch=batch, n=n, width=width, depth=depth, schedule=schedule)

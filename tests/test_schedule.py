@@ -5,15 +5,24 @@ import pytest
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.schedule import (
     BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    DURATIONS,
     FORWARD,
-    Action,
+    FORWARD_BACKWARD,
+    FORWARD_INPUT,
+    SCHEDULES,
+    act,
     format_actions,
+    format_schedule,
     forward_only,
     gpipe,
     make_schedule,
+    makespan,
     max_in_flight,
     one_f_one_b,
     simulate,
+    zero_bubble_h1,
 )
 
 
@@ -22,29 +31,58 @@ def test_one_f_one_b_matches_the_diagram():
     assert [format_actions(a) for a in schedule] == [
         "F0 F1 F2 B0 F3 B1 B2 B3",
         "F0 F1 B0 F2 B1 F3 B2 B3",
-        "F0 B0 F1 B1 F2 B2 F3 B3",
+        "FB0 FB1 FB2 FB3",
     ]
 
 
 def test_gpipe_runs_all_forwards_then_backwards_in_order():
     assert format_actions(gpipe(3, 3)[1]) == "F0 F1 F2 B0 B1 B2"
-    # The last stage needs no other rank for a backward: it runs right after the forward.
-    assert format_actions(gpipe(3, 3)[2]) == "F0 B0 F1 B1 F2 B2"
+    # The last stage needs no other rank for a backward: one fused action per micro-batch.
+    assert format_actions(gpipe(3, 3)[2]) == "FB0 FB1 FB2"
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_split_backward_runs_one_batched_weight_pass_at_the_end():
+    assert [format_actions(a) for a in one_f_one_b(2, 3, split_backward=True)] == [
+        "F0 F1 I0 F2 I1 I2 W0-2",
+        "FI0 FI1 FI2 W0-2",
+    ]
+    assert format_actions(gpipe(2, 2, split_backward=True)[0]) == "F0 F1 I0 I1 W0-1"
+
+
+def test_zero_bubble_h1_matches_the_diagram():
+    assert [format_actions(a) for a in zero_bubble_h1(3, 4)] == [
+        "F0 F1 F2 I0 F3 I1 W0 I2 W1 I3 W2 W3",
+        "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+        "FI0 W0 FI1 W1 FI2 W2 FI3 W3",
+    ]
+
+
+def _parts(actions):
+    """(part, micro-batch) for each forward, input gradient and weight gradient an action list runs."""
+    seen = []
+    for action in actions:
+        for i in action.microbatches:
+            if action.kind.forwards:
+                seen.append(("F", i))
+            if action.kind.input_gradient:
+                seen.append(("I", i))
+            if action.kind.weight_gradient:
+                seen.append(("W", i))
+    return seen
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 8, 13])
-def test_every_schedule_completes_without_deadlock(name, stages, microbatches):
-    schedule = make_schedule(name, stages, microbatches)
-    timeline = simulate(schedule)
+def test_every_schedule_completes_without_deadlock(name, split, stages, microbatches):
+    schedule = make_schedule(name, stages, microbatches, split)
+    timeline = simulate(schedule, DURATIONS)
     for stage, actions in enumerate(schedule):
-        assert sorted((a.kind, a.microbatch) for a in actions) == sorted(
-            [(FORWARD, i) for i in range(microbatches)] + [(BACKWARD, i) for i in range(microbatches)]
-        )
-        # Backwards in micro-batch order on every stage: gradients are summed
-        # in the same order by both schedules.
-        assert [a.microbatch for a in actions if a.kind == BACKWARD] == list(range(microbatches))
+        assert sorted(_parts(actions)) == sorted((p, i) for p in "FIW" for i in range(microbatches))
+        # Input gradients in micro-batch order on every stage: gradients are
+        # summed in the same order by every schedule.
+        assert [a.microbatch for a in actions if a.kind.input_gradient] == list(range(microbatches))
         assert len(timeline[stage]) == len(actions)
 
 
@@ -53,18 +91,31 @@ def test_every_schedule_completes_without_deadlock(name, stages, microbatches):
 def test_activation_memory_bound(stages, microbatches):
     for s, actions in enumerate(one_f_one_b(stages, microbatches)):
         assert max_in_flight(actions) == min(stages - s, microbatches)
+    for s, actions in enumerate(zero_bubble_h1(stages, microbatches)):
+        assert max_in_flight(actions) == min(stages - s, microbatches)
     for s, actions in enumerate(gpipe(stages, microbatches)):
         assert max_in_flight(actions) == (1 if s == stages - 1 else microbatches)
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (3, 3)])
-def test_both_schedules_take_the_ideal_time(stages, microbatches):
-    # With unit-time actions, both finish in 2 * (m + P - 1) ticks: the bubble
-    # is (P - 1) / (m + P - 1) of the time.
+def test_both_classic_schedules_take_the_ideal_time(stages, microbatches):
+    # With unit-time forwards and backwards (the last stage's fused pair
+    # taking two), both finish in 2 * (m + P - 1) ticks: the bubble is
+    # (P - 1) / (m + P - 1) of the time.
+    durations = {FORWARD: 1, BACKWARD: 1, FORWARD_BACKWARD: 2}
     for name in ("1f1b", "gpipe"):
-        timeline = simulate(make_schedule(name, stages, microbatches))
-        end = max(tick for stage in timeline for tick, _ in stage) + 1
-        assert end == 2 * (microbatches + stages - 1)
+        assert makespan(make_schedule(name, stages, microbatches), durations) == 2 * (microbatches + stages - 1)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (2, 8), (4, 8)])
+def test_a_split_backward_shrinks_the_bubble(stages, microbatches):
+    # F, I and W one tick each: splitting B = I + W and running W last lets
+    # the later stages' W fill the cool-down, so every split schedule beats
+    # the classic 1F1B.
+    classic = makespan(one_f_one_b(stages, microbatches), DURATIONS)
+    for name in SCHEDULES:
+        assert makespan(make_schedule(name, stages, microbatches, True), DURATIONS) <= classic
+    assert makespan(one_f_one_b(stages, microbatches, True), DURATIONS) < classic
 
 
 def test_forward_only():
@@ -73,9 +124,29 @@ def test_forward_only():
 
 
 def test_a_deadlocking_schedule_is_shown():
-    bad = [[Action(FORWARD, 0), Action(BACKWARD, 0)], [Action(BACKWARD, 0), Action(FORWARD, 0)]]
+    bad = [[act(FORWARD, 0), act(BACKWARD, 0)], [act(FORWARD_BACKWARD, 0)], [act(BACKWARD, 0), act(FORWARD, 0)]]
     with pytest.raises(PipelineConfigError, match="<-- STUCK HERE"):
         simulate(bad)
+
+
+def test_a_weight_pass_before_its_input_gradient_deadlocks():
+    bad = [
+        [act(FORWARD, 0), act(BACKWARD_WEIGHT, 0), act(BACKWARD_INPUT, 0)],
+        [act(FORWARD_INPUT, 0), act(BACKWARD_WEIGHT, 0)],
+    ]
+    with pytest.raises(PipelineConfigError, match=r"stage 0: F0 W0 <-- STUCK HERE I0"):
+        simulate(bad)
+
+
+def test_a_schedule_that_skips_a_weight_pass_is_refused():
+    incomplete = [[act(FORWARD, 0), act(BACKWARD_INPUT, 0)], [act(FORWARD_BACKWARD, 0)]]
+    with pytest.raises(PipelineConfigError, match="stage 0 does not run each micro-batch's W once"):
+        simulate(incomplete)
+
+
+def test_format_schedule_marks_the_failing_action():
+    text = format_schedule(one_f_one_b(2, 2), {0: 2})
+    assert text.splitlines()[0] == "stage 0: F0 F1 B0 <-- ERROR HERE B1"
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -85,5 +156,5 @@ def test_bad_microbatch_counts_are_refused(bad):
 
 
 def test_unknown_schedule():
-    with pytest.raises(PipelineConfigError, match="'1f1b', 'gpipe'"):
+    with pytest.raises(PipelineConfigError, match="'1f1b', 'gpipe', 'zb-h1'"):
         make_schedule("zigzag", 2, 2)

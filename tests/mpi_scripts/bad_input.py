@@ -99,7 +99,6 @@ def compile_with(**options):
     return build
 
 
-case("jit_compile=True", compile_with(jit_compile=True))
 case("global_clipnorm", compile_with(optimizer=keras.optimizers.Adam(global_clipnorm=1.0)))
 case("loss without reduction", compile_with(loss=keras.losses.SparseCategoricalCrossentropy(reduction=None)))
 case("several losses", compile_with(loss=["mse", "mse"]))

@@ -35,8 +35,25 @@ def layers(features=12, classes=3, width=16, regularize=True):
     ]
 
 
-def compile_args():
+def split_layers(features=12, classes=3, width=16):
+    """A chain every stage of which runs the split backward (I + batched W), with both kinds of regularizer."""
+    return [
+        keras.Input((features,)),
+        keras.layers.Dense(width, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01)),
+        keras.layers.Dense(width, activation="tanh"),
+        keras.layers.Dense(width, activity_regularizer=keras.regularizers.L1(1e-3)),
+        keras.layers.Activation("relu"),
+        keras.layers.Reshape((width // 4, 4)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(classes, activation="softmax"),
+    ]
+
+
+def compile_args(jit_compile=False):
+    """Adam, sparse cross-entropy, two metrics. XLA off: the behaviour under test does not depend on it, and
+    compiling each program for XLA doubles a short launch; equivalence.py tests XLA (the default) itself."""
     return dict(
+        jit_compile=jit_compile,
         optimizer=keras.optimizers.Adam(1e-2),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")],

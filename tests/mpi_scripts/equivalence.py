@@ -7,45 +7,64 @@ import sys
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, compile_args, data, layers
+from common import RANK, SIZE, assert_close, compile_args, data, layers, split_layers
 
 from keras_pipe import PipelineModel
 
 x, y, sw = data()
 x_test, y_test, _ = data(n=57, seed=1)
 fit_args = dict(batch_size=32, epochs=3, shuffle=False, validation_split=0.1, verbose=0)
+# The recorded backward (layers() has an activity regularizer after an
+# activation) and the split backward with one batched W (split_layers()),
+# each with XLA programs, and once without (jit_compile=False).
+CONFIGURATIONS = [(layers, 1, "1f1b", "auto")] + [(layers, 4, s, "auto") for s in ("1f1b", "gpipe")]
+CONFIGURATIONS += [(split_layers, 1, "1f1b", "auto")] + [
+    (split_layers, 4, s, "auto") for s in ("1f1b", "gpipe", "zb-h1")
+]
+CONFIGURATIONS += [(split_layers, 2, "1f1b", False)]
 
-keras.utils.set_random_seed(7)
-reference = keras.Sequential(layers())
-initial = reference.get_weights()
-reference.compile(**compile_args())
-expected = reference.fit(x, y, sample_weight=sw, **fit_args).history
-expected_weights = reference.get_weights()
-expected_eval = reference.evaluate(x_test, y_test, verbose=0)
-expected_pred = reference.predict(x_test, verbose=0)
+references = {}
+for chain in (layers, split_layers):
+    keras.utils.set_random_seed(7)
+    reference = keras.Sequential(chain())
+    initial = reference.get_weights()
+    reference.compile(**compile_args())
+    history = reference.fit(x, y, sample_weight=sw, **fit_args).history
+    references[chain] = (
+        initial,
+        history,
+        reference.get_weights(),
+        reference.evaluate(x_test, y_test, verbose=0),
+        reference.predict(x_test, verbose=0),
+    )
 
 checked = 0
 results = {}
-for m in (1, 2, 4):
-    for schedule in ("1f1b", "gpipe"):
-        model = PipelineModel(layers(), num_microbatches=m, schedule=schedule)
-        model.set_weights(initial)
-        model.compile(**compile_args())
-        history = model.fit(x, y, sample_weight=sw, **fit_args).history
-        what = f"P={SIZE} m={m} {schedule}"
-        assert sorted(history) == sorted(expected), (what, sorted(history), sorted(expected))
-        for key in expected:
-            assert_close(history[key], expected[key], f"{what} history {key}")
-        weights = model.get_weights()
-        for i, (a, b) in enumerate(zip(weights, expected_weights)):
-            assert_close(a, b, f"{what} weight {i}")
-        assert_close(model.evaluate(x_test, y_test, verbose=0), expected_eval, f"{what} evaluate")
-        assert_close(model.predict(x_test, verbose=0), expected_pred, f"{what} predict")
-        results[(m, schedule)] = weights
-        checked += 1
-    # Both schedules sum gradients in the same order: bit-identical results.
-    for a, b in zip(results[(m, "1f1b")], results[(m, "gpipe")]):
-        assert np.array_equal(a, b), f"rank {RANK}: 1f1b and gpipe differ at m={m}"
+for chain, m, schedule, jit in CONFIGURATIONS:
+    initial, expected, expected_weights, expected_eval, expected_pred = references[chain]
+    model = PipelineModel(chain(), num_microbatches=m, schedule=schedule)
+    model.set_weights(initial)
+    model.compile(**compile_args(jit_compile=jit))
+    history = model.fit(x, y, sample_weight=sw, **fit_args).history
+    what = f"P={SIZE} {chain.__name__} m={m} {schedule} jit={jit} split={model.engine.compute.split}"
+    assert sorted(history) == sorted(expected), (what, sorted(history), sorted(expected))
+    for key in expected:
+        assert_close(history[key], expected[key], f"{what} history {key}")
+    weights = model.get_weights()
+    for i, (a, b) in enumerate(zip(weights, expected_weights)):
+        assert_close(a, b, f"{what} weight {i}")
+    assert_close(model.evaluate(x_test, y_test, verbose=0), expected_eval, f"{what} evaluate")
+    assert_close(model.predict(x_test, verbose=0), expected_pred, f"{what} predict")
+    results[(chain, m, schedule, jit)] = weights
+    checked += 1
+# 1F1B and GPipe sum gradients in the same order: bit-identical results
+# (ZB-H1 sums per micro-batch what the others sum in one W: equal to round-off).
+for chain, m, schedule, jit in CONFIGURATIONS:
+    if schedule != "gpipe" or (chain, m, "1f1b", jit) not in results:
+        continue
+    for a, b in zip(results[(chain, m, schedule, jit)], results[(chain, m, "1f1b", jit)]):
+        assert np.array_equal(a, b), f"rank {RANK}: {chain.__name__} {schedule} and 1f1b differ at m={m}"
+initial = references[layers][0]
 
 # Ranks other than 0 read their data in another order: labels travel with
 # the first stage's micro-batches, so training is unchanged.

@@ -17,7 +17,7 @@ import tempfile
 import keras
 import numpy as np
 import tensorflow as tf
-from common import RANK, SIZE, assert_close, compile_args, data, layers
+from common import RANK, SIZE, assert_close, compile_args, data, layers, split_layers
 from mpi4py import MPI
 
 import keras_pipe
@@ -86,6 +86,26 @@ for num_stages in [s for s in range(1, SIZE + 1) if SIZE % s == 0 and SIZE // s 
         assert_close(tiny.predict(x_test[:3], batch_size=2, verbose=0), tiny_pred, f"{what} predict in pairs")
         checked += 1
 
+# The split backward (I + one batched W, whose gradients the replicas sum
+# before the update) with XLA programs, on the layout with the most stages.
+keras.utils.set_random_seed(8)
+split_reference = keras.Sequential(split_layers())
+split_initial = split_reference.get_weights()
+split_reference.compile(**compile_args())
+split_expected = split_reference.fit(x, y, sample_weight=sw, **fit_args).history
+stages = max(s for s in range(1, SIZE + 1) if SIZE % s == 0 and SIZE // s > 1)
+model = PipelineModel(split_layers(), num_stages=stages, num_microbatches=3)
+model.set_weights(split_initial)
+model.compile(**compile_args(jit_compile="auto"))
+history = model.fit(x, y, sample_weight=sw, **fit_args).history
+assert model.engine.compute.split
+for key in split_expected:
+    assert_close(history[key], split_expected[key], f"split backward, {stages} stages, history {key}")
+for i, (a, b) in enumerate(zip(model.get_weights(), split_reference.get_weights())):
+    assert_close(a, b, f"split backward weight {i}")
+check_same_across_replicas(model, "split backward")
+checked += 1
+
 # Saving from 2 stages x replicas, loading as 1 stage x SIZE replicas, one more epoch.
 num_stages = 2 if SIZE % 2 == 0 and SIZE > 2 else 1
 model = PipelineModel(layers(), num_stages=num_stages, num_microbatches=2)
@@ -134,7 +154,7 @@ model = PipelineModel(layers(), num_stages=num_stages)
 model.build()
 model.summary(print_fn=lines.append)
 if "EXPECT_PIPELINES" in os.environ:  # launched with a host per rank: placement follows the hosts
-    assert model._layout.pipelines == json.loads(os.environ["EXPECT_PIPELINES"]), model._layout.pipelines
+    assert model.engine.layout.pipelines == json.loads(os.environ["EXPECT_PIPELINES"]), model.engine.layout.pipelines
 if RANK == 0:
     text = "\n".join(lines)
     assert f"{num_stages} stages x {SIZE // num_stages} replicas" in text, text

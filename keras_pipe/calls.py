@@ -1,0 +1,116 @@
+"""Internal: what every ``fit``/``evaluate``/``predict`` does around Keras' own loop.
+
+Before the call, the ranks check that they all made the same call on the
+same model (:mod:`keras_pipe.consistency`), only rank 0 keeps its progress
+bar, callbacks are adapted for several ranks (:mod:`keras_pipe.callbacks`)
+and, with replicas, shuffling is seeded alike and weights are copied from
+the first replica. Each step then starts with a tiny agreement that every
+rank has a batch of the same size, and the call ends with one more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_pipe import compat, compile_checks
+from keras_pipe import weights as _weights
+from keras_pipe.callbacks import adapt_callbacks
+from keras_pipe.consistency import (
+    COMPARED_ARGUMENTS,
+    batch_digest,
+    check_same_everywhere,
+    describe_argument,
+    model_fingerprint,
+)
+
+
+class CallPreparation:
+    """The collective preamble and ending of one model's ``fit``/``evaluate``/``predict`` calls."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @contextlib.contextmanager
+    def prepare(self, name: str, method, args, kwargs):
+        """Binds the call's arguments and checks that every rank made the same call; yields them for Keras."""
+        model, engine = self.model, self.model.engine
+        built_before = engine.built
+        bound = inspect.signature(method).bind(model, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        arguments.update(arguments.pop("kwargs", {}))
+        if name != "predict" and model.compiled:
+            compile_checks.check_model(model)
+        shared = {key: describe_argument(value) for key, value in arguments.items() if key in COMPARED_ARGUMENTS}
+        shared["call"] = name
+        check_same_everywhere(engine.world, f"the model and the {name}() call", {**model_fingerprint(model), **shared})
+        engine.steps.begin_call()
+        if model._pipeline_input is not None:
+            model.build()  # BackupAndRestore and friends expect a built model
+        arguments["callbacks"] = adapt_callbacks(arguments.get("callbacks"), engine.world)
+        if engine.world.rank != 0:
+            arguments["verbose"] = 0
+        if name == "fit" and engine.num_replicas > 1:
+            if arguments.get("shuffle", True):
+                seed_shuffling(engine.world)
+            if built_before:
+                _weights.copy_from_first_replica(engine)  # replicas start alike, as Horovod's broadcast does
+        yield arguments
+        engine.steps.agree("end", False, 0)
+
+    def digest(self, data) -> int:
+        """With replicas, a first stage's digest of its batch (compared between replicas); else 0."""
+        engine = self.model.engine
+        if data is None or engine.num_replicas == 1 or engine.stage != 0:
+            return 0
+        return batch_digest(keras.utils.unpack_x_y_sample_weight(data))
+
+
+def python_step_function(model, step, phase: str):
+    """Keras' ``train_function``/``test_function``: Python around the step, so that every step communicates.
+
+    The compute inside the step runs in compiled programs (see
+    :mod:`keras_pipe.compute`). Before each step the ranks agree that all of
+    them have a batch of the same size.
+    """
+
+    def function(iterator):
+        logs = None
+        for _ in range(model.steps_per_execution):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                data = None
+            size = 0 if data is None else batch_size_of(data)
+            model.engine.steps.agree(phase, data is not None, size, model._calls.digest(data))
+            if data is None:
+                if logs is None:
+                    raise StopIteration from None
+                break
+            logs = step(data)
+        return logs
+
+    return function
+
+
+def seed_shuffling(world) -> None:
+    """Makes every rank's ``shuffle=True`` draw the same order (replicas share each global batch).
+
+    Keras shuffles arrays with ``tf.random.shuffle`` under TensorFlow's
+    global seed; without one, each process draws its own order. If the
+    script set no seed, rank 0 draws one and every rank sets it.
+    """
+    if all(world.allgather_json(compat.global_seed() is None)):
+        seed = int(np.random.default_rng().integers(2**31 - 1)) if world.rank == 0 else None
+        tf.random.set_seed(world.bcast_json(seed, root=0))
+
+
+def batch_size_of(data) -> int:
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    first = tf.nest.flatten(x)[0]
+    return int(first.shape[0])

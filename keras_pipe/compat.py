@@ -1,0 +1,183 @@
+"""Internal: every use of Keras' and TensorFlow's private internals, in one place.
+
+keras_pipe reaches into Keras where no public API says what it needs. Each
+function below names what it uses, why, and the versions it was written
+against (Keras 3.15, TensorFlow 2.21; the older releases noted were read
+too). ``tests/test_compat.py`` calls :func:`check`, which fails loudly, naming
+the missing attribute, when a Keras or TensorFlow upgrade removes one.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+# -- layers -------------------------------------------------------------------
+
+
+def sublayers(layer) -> list:
+    """``layer`` and every layer nested in it (``Layer._flatten_layers``, Keras 3.0-3.15).
+
+    Why: the losses a layer adds during ``call`` (activity regularization)
+    live on the sublayer that added them.
+    """
+    return list(layer._flatten_layers())
+
+
+def own_losses(layer) -> list:
+    """The losses ``layer`` itself added in its last call (``Layer._get_own_losses``, Keras 3.0-3.15).
+
+    Why: a stage adds its layers' activity losses to its share of the loss;
+    the public ``layer.losses`` also includes weight regularization, which is
+    counted once per batch, not per micro-batch.
+    """
+    return list(layer._get_own_losses())
+
+
+def weight_regularization_losses(layer) -> list:
+    """The weight regularizers' losses of ``layer`` (``Layer._get_regularization_losses``, Keras 3.0-3.15)."""
+    return list(layer._get_regularization_losses())
+
+
+def seed_generators(layer) -> list:
+    """The ``SeedGenerator``s of ``layer`` and its sublayers (``Layer._seed_generators``, Keras 3.0-3.15).
+
+    Why: replaying a layer with dropout during its backward must draw the
+    same random numbers as its forward did, so the generators' states are
+    saved before the forward and restored for the replay.
+    """
+    found = []
+    for sub in sublayers(layer):
+        for generator in sub._seed_generators:
+            if all(generator is not g for g in found):
+                found.append(generator)
+    return found
+
+
+# -- the trainer -----------------------------------------------------------------
+
+
+def compiled_loss(model):
+    """The ``CompileLoss`` built by ``compile()`` (``Trainer._compile_loss``, Keras 3.0-3.15).
+
+    Why: the last stage computes the compiled loss of each micro-batch
+    itself, without ``compute_loss``, whose signature carries the whole batch.
+    """
+    return model._compile_loss
+
+
+def compiled_metrics(model):
+    """The ``CompileMetrics`` built by ``compile()`` (``Trainer._compile_metrics``, Keras 3.0-3.15)."""
+    return model._compile_metrics
+
+
+def loss_tracker(model):
+    """The ``Mean`` behind the logged ``loss`` (``Trainer._loss_tracker``, Keras 3.0-3.15)."""
+    return model._loss_tracker
+
+
+def compile_config_metrics(model):
+    """The ``metrics`` argument given to ``compile()`` (``Trainer._compile_config``, Keras 3.0-3.15), or ``None``."""
+    config = getattr(model, "_compile_config", None)
+    return config.config.get("metrics") if config is not None else None
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Makes the next ``fit()`` start at ``epoch`` (``Trainer._initial_epoch``, read by ``fit``, Keras 3.0-3.15).
+
+    Why: ``BackupAndRestore`` resumes a run this way; under the pipeline it
+    is done by rank 0's decision on every rank.
+    """
+    model._initial_epoch = epoch
+
+
+# -- callbacks ---------------------------------------------------------------------
+
+BACKUP_ATTRIBUTES = (
+    "_weights_path",
+    "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
+    "_current_epoch",
+    "_last_batch_seen",
+    "_load_model",
+    "_save_model",
+)
+
+
+def backup_paths(callback) -> dict:
+    """``BackupAndRestore``'s files and position (private attributes, Keras 3.4-3.15).
+
+    Why: the callback's load and save become collective under the pipeline
+    (rank 0 reads and writes, every rank loads); Keras has no hook for that.
+    """
+    return {name.lstrip("_"): getattr(callback, name) for name in BACKUP_ATTRIBUTES[:6]}
+
+
+def replace_backup_io(callback, load, save) -> None:
+    """Replaces ``BackupAndRestore._load_model`` and ``_save_model`` (Keras 3.4-3.15)."""
+    callback._load_model = load
+    callback._save_model = save
+
+
+def file_utils():
+    """Keras' file helpers, which also handle remote paths (``keras.src.utils.file_utils``, Keras 3.0-3.15)."""
+    from keras.src.utils import file_utils as module
+
+    return module
+
+
+# -- TensorFlow ----------------------------------------------------------------------
+
+
+def global_seed():
+    """TensorFlow's global seed, or ``None`` (``tensorflow.python.eager.context.global_seed``, TF 2.x).
+
+    Why: replicas must shuffle alike; ``fit`` seeds TensorFlow only when the
+    script did not.
+    """
+    from tensorflow.python.eager import context
+
+    return context.global_seed()
+
+
+def variable_handle(variable):
+    """The ``tf.Variable`` behind a Keras variable (``KerasVariable.value`` is it on the TF backend)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+# -- checking ------------------------------------------------------------------------
+
+
+def check() -> None:
+    """Raises ``AttributeError`` naming each internal above that this Keras/TensorFlow lacks."""
+    layer = keras.layers.Dropout(0.5)
+    layer.build((None, 2))
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", metrics=["mae"])
+    callback = keras.callbacks.BackupAndRestore("/tmp/keras_pipe_compat_check")
+    needed = [
+        (layer, "_flatten_layers"),
+        (layer, "_get_own_losses"),
+        (layer, "_get_regularization_losses"),
+        (layer, "_seed_generators"),
+        (model, "_compile_loss"),
+        (model, "_compile_metrics"),
+        (model, "_loss_tracker"),
+        (model, "_compile_config"),
+        (model, "_initial_epoch"),
+        *[(callback, name) for name in BACKUP_ATTRIBUTES],
+    ]
+    missing = [f"{type(obj).__name__}.{name}" for obj, name in needed if not hasattr(obj, name)]
+    try:
+        _ = file_utils().exists
+        global_seed()
+    except (ImportError, AttributeError) as error:
+        missing.append(str(error))
+    if not isinstance(variable_handle(layer.seed_generator.state), tf.Variable):
+        missing.append("KerasVariable.value is not a tf.Variable")
+    if missing:
+        raise AttributeError(
+            f"keras_pipe {keras.__version__=} {tf.__version__=}: internals gone: {', '.join(missing)}. "
+            "Update keras_pipe/compat.py for this version."
+        )

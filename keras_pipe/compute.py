@@ -1,0 +1,308 @@
+"""Internal: one stage's compute — compiled forward, backward, weight-gradient and update programs.
+
+Compute only: nothing here sends, receives or times. The executor
+(:mod:`keras_pipe.executor`) calls these methods in the order the schedule
+gives, and moves tensors between ranks itself.
+
+Each method runs one compiled program per micro-batch (or per batch, for
+``W`` and the update), XLA-compiled unless ``compile(jit_compile=False)``:
+the program is tried with XLA on its first call and falls back to a plain
+``tf.function`` where XLA cannot compile the stage's layers (a
+``numpy_function``, say). Two ways to backpropagate:
+
+- **split** (every layer replayable, :mod:`keras_pipe.replay`): ``F`` keeps
+  each step's input, ``I`` computes the input gradient alone and keeps each
+  weighted step's output gradient, ``W`` computes the weight gradients of
+  many micro-batches in one pass; the last ``W`` of a step hands its
+  gradients straight to the optimizer, in the same program, when no replica
+  needs them first.
+- **recorded** (any other stage): ``F`` runs under an eager
+  ``tf.GradientTape`` that records the compiled forward as one op, and ``B``
+  runs TensorFlow's gradient of it, keeping the activations the forward
+  kept; weight gradients are added to accumulators.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_pipe import compat, replay
+from keras_pipe.gradients import GradientSum
+
+_XLA_REFUSALS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, NotImplementedError)
+
+
+class Program:
+    """A compiled function: XLA if it compiles, else a plain ``tf.function``; eager when asked."""
+
+    def __init__(self, function, jit: bool, eager: bool = False):
+        self.python = function
+        self.eager = eager
+        self.xla = tf.function(function, jit_compile=True) if jit and not eager else None
+        self.graph = tf.function(function)
+        self.compiled_with_xla: bool | None = None  # known after the first call
+
+    def __call__(self, *args):
+        if self.eager:
+            return self.python(*args)
+        if self.xla is not None:
+            try:
+                result = self.xla(*args)
+                self.compiled_with_xla = True
+                return result
+            except _XLA_REFUSALS:
+                if self.compiled_with_xla:
+                    raise  # it compiled before: a real error
+                self.xla = None
+        self.compiled_with_xla = False
+        return self.graph(*args)
+
+
+class StageCompute:
+    """The layers one rank owns and the compiled programs that run them.
+
+    Args:
+        layers: this stage's layers, built.
+        is_first: whether the stage reads the model input (it needs no input gradient).
+        loss: ``(y, y_pred, sample_weight) -> loss`` (the compiled loss), on the last stage.
+        jit: compile programs with XLA where the layers allow it.
+        eager: run everything op by op (``compile(run_eagerly=True)``).
+    """
+
+    def __init__(self, layers, is_first: bool, jit: bool = True, eager: bool = False):
+        self.layers = list(layers)
+        self.is_first = is_first
+        self.jit = jit
+        self.eager = eager
+        self.trainable_variables = [v for layer in self.layers for v in layer.trainable_weights]
+        reasons = [r for r in map(replay.why_not_replayable, self.layers) if r]
+        self.split = not reasons
+        self.why_recorded = reasons[0] if reasons else None
+        self.steps = replay.steps_of(self.layers) if self.split else []
+        self.has_weight_regularizers = any(v.regularizer is not None for v in self.trainable_variables)
+        self.gradients = GradientSum(self.trainable_variables, self._program)
+        self._programs: dict = {}
+        self._kept: dict = {}  # micro-batch -> what its backward needs
+        self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
+
+    def configure(self, jit: bool, eager: bool) -> None:
+        """Changes how programs compile (after ``compile()``); forgets the compiled ones."""
+        self.jit, self.eager = jit, eager
+        self._programs.clear()
+        self.gradients.forget_programs()
+
+    def _program(self, key, function) -> Program:
+        if key not in self._programs:
+            self._programs[key] = Program(function, self.jit, self.eager)
+        return self._programs[key]
+
+    # -- forward ----------------------------------------------------------
+
+    def forward(self, i: int, x, training: bool):
+        """``F``: ``(y, activity loss)`` of micro-batch ``i``; when training, keeps what its backward needs."""
+        if not training:
+            return self._program(("forward", False), lambda x: self._chain(x, False)[:2])(x)
+        if self.split:
+            y, activity, inputs, seeds = self._program(("forward", True), lambda x: self._chain(x, True, keep=True))(x)
+            self._kept[i] = (inputs, seeds)
+            return y, activity
+        tape = tf.GradientTape()
+        with tape:
+            if not self.is_first:
+                tape.watch(x)
+            y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
+        self._kept[i] = (tape, x, [y, activity])
+        return y, activity
+
+    def _chain(self, x, training: bool, keep: bool = False):
+        if self.split:
+            return replay.forward(self.steps, x, training, keep)
+        activity = tf.constant(0.0, tf.float32)
+        for layer in self.layers:
+            x = layer(x, training=training)
+            for sub in compat.sublayers(layer):
+                for loss in compat.own_losses(sub):
+                    activity += tf.cast(tf.reduce_sum(loss), tf.float32)
+        return x, activity, [], []
+
+    def forward_loss(self, loss_fn, x, y, sample_weight, scales):
+        """Last stage, evaluation: ``(loss share, y_pred)``; ``scales = (data, activity)`` weights."""
+
+        def evaluate(x, y, sample_weight, scales):
+            y_pred, activity = self._chain(x, False)[:2]
+            return _weighted(loss_fn(y, y_pred, sample_weight), activity, scales), y_pred
+
+        return self._program(("forward_loss", id(loss_fn)), evaluate)(x, y, sample_weight, scales)
+
+    # -- backward -----------------------------------------------------------
+
+    def forward_backward(self, i: int, loss_fn, x, y, sample_weight, scales):
+        """Last stage, ``FB`` or ``FI``: ``(loss share, y_pred, input gradient)`` of micro-batch ``i``."""
+        need_input = not self.is_first
+        if self.split:
+
+            def forward_input(x, y, sample_weight, scales):
+                y_pred, activity, inputs, seeds = replay.forward(self.steps, x, True, keep=True)
+
+                def head(y_pred):
+                    return tf.cast(loss_fn(y, y_pred, sample_weight), tf.float32) * scales[0]
+
+                dx, step_grads = replay.input_gradient(self.steps, inputs, seeds, None, scales[1], need_input, head)
+                loss = head(y_pred) + activity * scales[1]
+                return loss, y_pred, _or_empty(dx), _weighted_parts(self.steps, inputs, step_grads)
+
+            loss, y_pred, dx, parts = self._program(("forward_input", id(loss_fn)), forward_input)(
+                x, y, sample_weight, scales
+            )
+            self._for_weights[i] = parts
+            return loss, y_pred, dx
+
+        def forward_backward(x, y, sample_weight, scales):
+            with tf.GradientTape() as tape:
+                if need_input:
+                    tape.watch(x)
+                y_pred, activity = self._chain(x, True)[:2]
+                loss = _weighted(loss_fn(y, y_pred, sample_weight), activity, scales)
+            sources = ([x] if need_input else []) + self.trainable_variables
+            grads = tape.gradient(loss, sources)
+            dx = grads.pop(0) if need_input else None
+            return loss, y_pred, _or_empty(dx), self.gradients.add_in_graph(grads)
+
+        self.gradients.prepare()
+        loss, y_pred, dx, sparse = self._program(
+            ("forward_backward", id(loss_fn), self.gradients.empty), forward_backward
+        )(x, y, sample_weight, scales)
+        self.gradients.added(sparse)
+        return loss, y_pred, dx
+
+    def backward(self, i: int, grad, activity_scale: float):
+        """``B`` (recorded) or ``I`` (split) of micro-batch ``i`` given its output gradient; the input gradient."""
+        need_input = not self.is_first
+        if self.split:
+            inputs, seeds = self._kept.pop(i)
+
+            def input_grad(inputs, seeds, grad, activity_scale):
+                dx, step_grads = replay.input_gradient(self.steps, inputs, seeds, grad, activity_scale, need_input)
+                return _or_empty(dx), _weighted_parts(self.steps, inputs, step_grads)
+
+            dx, parts = self._program("input_grad", input_grad)(inputs, seeds, grad, tf.constant(activity_scale))
+            self._for_weights[i] = parts
+            return dx if need_input else None
+        tape, x, outputs = self._kept.pop(i)
+        sources = ([x] if need_input else []) + self.trainable_variables
+        grads = tape.gradient(outputs, sources, output_gradients=[grad, tf.constant(activity_scale, tf.float32)])
+        del tape, outputs  # the activations this micro-batch kept
+        grads = [tf.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(grads, sources)]
+        dx = grads.pop(0) if need_input else None
+        self.gradients.add(grads)
+        return dx
+
+    def weights(self, microbatches, activity_scale: float, regularize: bool, optimizer=None) -> None:
+        """``W`` over ``microbatches``: adds their weight gradients (and, if ``regularize``, the weight regularizers').
+
+        With an ``optimizer`` (the step's last ``W`` and no replica to wait
+        for) the gradients go straight into its update, in the same program.
+        """
+        if not self.trainable_variables:
+            for i in microbatches:
+                self._for_weights.pop(i, None)
+            return
+        # per weighted step, its inputs and output gradients over the micro-batches
+        parts = [self._for_weights.pop(i) for i in microbatches]
+        inputs = [[p[0][k] for p in parts] for k in range(len(parts[0][0]))]
+        grads = [[p[1][k] for p in parts] for k in range(len(parts[0][1]))]
+        weighted = [k for k, s in enumerate(self.steps) if s.variables]
+
+        def weight_grads(inputs, grads, activity_scale):
+            full_in, full_g = [None] * len(self.steps), [None] * len(self.steps)
+            for position, k in enumerate(weighted):
+                full_in[k], full_g[k] = inputs[position], grads[position]
+            result = replay.weight_gradients(self.steps, full_in, full_g, activity_scale)
+            if regularize:
+                regularizers = self._regularization_gradients()
+                result = [
+                    tf.convert_to_tensor(g) + r if v.regularizer is not None else g
+                    for g, r, v in zip(result, regularizers, self.trainable_variables)
+                ]
+            return result
+
+        scale = tf.constant(activity_scale)
+        if optimizer is not None and self.gradients.empty:
+
+            def weights_and_update(inputs, grads, activity_scale):
+                optimizer.apply(weight_grads(inputs, grads, activity_scale), self.trainable_variables)
+
+            self._program(("weights_update", id(optimizer), regularize), weights_and_update)(inputs, grads, scale)
+            return
+        result = self._program(("weights", regularize), weight_grads)(inputs, grads, scale)
+        self.gradients.add(result)
+        if optimizer is not None:
+            self.apply(optimizer)
+
+    # -- the end of a step ----------------------------------------------------
+
+    def add_regularization(self) -> tf.Tensor:
+        """Adds the weight regularizers' gradients (recorded backward); returns their loss."""
+
+        def regularization():
+            with tf.GradientTape() as tape:
+                loss = self._regularization_loss()
+            return loss, tape.gradient(loss, self.trainable_variables)
+
+        loss, grads = self._program("regularization_gradients", regularization)()
+        self.gradients.add(
+            [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
+        )
+        return loss
+
+    def regularization_loss(self) -> tf.Tensor:
+        """The loss of this stage's weight regularizers (counted once per batch, as Keras does)."""
+        return self._program("regularization", self._regularization_loss)()
+
+    def _regularization_loss(self):
+        loss = tf.constant(0.0, tf.float32)
+        for layer in self.layers:
+            for term in compat.weight_regularization_losses(layer):
+                loss += tf.cast(term, tf.float32)
+        return loss
+
+    def _regularization_gradients(self):
+        handles = [compat.variable_handle(v) for v in self.trainable_variables]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(handles)
+            loss = self._regularization_loss()
+        grads = tape.gradient(loss, handles)
+        return [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
+
+    def apply(self, optimizer, grads=None) -> None:
+        """One optimizer step with ``grads`` (summed over replicas) or this step's summed gradients."""
+        if not self.trainable_variables:
+            return
+        given = grads is not None
+        grads = list(grads) if given else self.gradients.result()
+
+        def update(*grads):
+            optimizer.apply(list(grads), self.trainable_variables)
+
+        self._program(("apply", id(optimizer)), update)(*grads)
+        self.gradients.reset()
+
+    def forget_step(self) -> None:
+        """Drops whatever a step left behind (after an error, or a replica with no share)."""
+        self._kept.clear()
+        self._for_weights.clear()
+        self.gradients.reset()
+
+
+def _weighted(loss, activity, scales):
+    return tf.cast(loss, tf.float32) * scales[0] + activity * scales[1]
+
+
+def _weighted_parts(steps, inputs, step_grads):
+    """(inputs, output gradients) of the weighted steps only: what ``W`` needs."""
+    kept = [k for k, s in enumerate(steps) if s.variables]
+    return [inputs[k] for k in kept], [step_grads[k] for k in kept]
+
+
+def _or_empty(tensor):
+    return tf.zeros((0,)) if tensor is None else tensor

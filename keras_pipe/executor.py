@@ -1,0 +1,264 @@
+"""Internal: walking one stage's schedule for one batch.
+
+The executor takes the stage's list of actions (:mod:`keras_pipe.schedule`)
+and, for each, receives what the action needs from a neighbour
+(:class:`~keras_pipe.links.Links`), runs it (:class:`~keras_pipe.compute.
+StageCompute`) and sends what it produced. It is the only place that knows
+both, and it reports every span to the tracer. After the actions, it ends
+the step: weight regularization, the sum over replicas, the update::
+
+    # 1F1B with a split backward, 2 stages, 4 micro-batches:
+    # stage 0: F0 F1 I0 F2 I1 F3 I2 I3 W0-3 [update]
+    # stage 1:    FI0 FI1 FI2 FI3 W0-3 [update]
+
+Example (any compute and links with the same methods will do; the tests
+replay schedules with fakes):
+
+>>> executor = Executor(compute, links, reducer=None)          # doctest: +SKIP
+>>> result = executor.run(actions, batch)                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_pipe.schedule import Action, Kind
+
+
+@dataclass
+class Batch:
+    """What one stage needs to run one batch.
+
+    ``bounds`` are the rows of each of this replica's micro-batches in the
+    global batch of ``batch_size`` rows; ``x`` is read by the first stage,
+    ``y`` and ``sample_weight`` by the last.
+    """
+
+    phase: str  # "train", "test" or "predict"
+    batch_size: int
+    bounds: list
+    x: Any = None
+    y: Any = None
+    sample_weight: Any = None
+    loss_fn: Any = None
+    loss_reduction: str | None = None
+    optimizer: Any = None
+    regularize: bool = False  # count the weight regularizers (one replica does)
+
+
+@dataclass
+class StepResult:
+    loss_part: float = 0.0  # this stage's share of the batch loss
+    predictions: list = field(default_factory=list)  # last stage: per micro-batch
+
+
+class Executor:
+    """Runs a stage's actions for a batch: receive, compute, send, trace.
+
+    Args:
+        compute: the stage's :class:`~keras_pipe.compute.StageCompute`.
+        links: its :class:`~keras_pipe.links.Links` (``None`` with one stage).
+        reducer: sums gradients over the stage's replicas (``None`` with one replica).
+        is_first, is_last: the stage's place in the pipeline.
+        status: an object whose ``activity`` attribute stall reports read.
+        where: how this rank's place is named in those reports.
+    """
+
+    def __init__(self, compute, links, reducer, is_first: bool, is_last: bool, status, where: str):
+        self.compute = compute
+        self.links = links
+        self.reducer = reducer
+        self.is_first = is_first
+        self.is_last = is_last
+        self.status = status
+        self.where = where
+        self.tracer = None
+        self.step = 0
+        self._handlers = {
+            Kind.FORWARD: self._forward,
+            Kind.FORWARD_BACKWARD: self._forward_backward,
+            Kind.FORWARD_INPUT: self._forward_backward,
+            Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward,
+            Kind.BACKWARD_WEIGHT: self._weights,
+        }
+
+    def run(self, actions: list[Action], batch: Batch) -> StepResult:
+        """Runs ``actions`` on ``batch``, then ends the step (update when training)."""
+        result = StepResult(predictions=[None] * len(batch.bounds))
+        self._last_weights = max((p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT), default=-1)
+        try:
+            self._count_regularization(batch, result, before_actions=True)
+            for position, action in enumerate(actions):
+                self.status.activity = (
+                    f"{batch.phase} step {self.step}, {self.where}: {_NAMES[action.kind]} of micro-batch "
+                    f"{action.microbatch}"
+                )
+                self._handlers[action.kind](action, position, batch, result)
+                if self.links is not None:
+                    self.links.progress()
+            self._end_step(batch, result)
+        except BaseException:
+            self.compute.forget_step()
+            raise
+        finally:
+            self.step += 1
+        return result
+
+    # -- the actions ---------------------------------------------------------
+
+    def _forward(self, action, position, batch, result):
+        i = action.microbatch
+        start, stop = batch.bounds[i]
+        x = self._input(batch, i)
+        began = time.perf_counter()
+        if self.is_last and batch.phase == "test":
+            loss, y_pred = self.compute.forward_loss(batch.loss_fn, x, *self._targets(batch, i), self._scales(batch, i))
+            result.loss_part += float(loss)
+            result.predictions[i] = y_pred
+            self._span("forward", i, began)
+            return
+        y, activity = self.compute.forward(i, x, training=batch.phase == "train")
+        if batch.phase != "predict":
+            result.loss_part += float(activity) * (stop - start) / batch.batch_size
+        self._span("forward", i, began)
+        if self.is_last:
+            result.predictions[i] = y
+        else:
+            began = time.perf_counter()
+            self.links.send_activation(y)
+            self._span("send activation", i, began)
+
+    def _forward_backward(self, action, position, batch, result):
+        i = action.microbatch
+        x = self._input(batch, i)
+        began = time.perf_counter()
+        loss, y_pred, dx = self.compute.forward_backward(
+            i, batch.loss_fn, x, *self._targets(batch, i), self._scales(batch, i)
+        )
+        result.loss_part += float(loss)
+        result.predictions[i] = y_pred
+        self._span("forward+backward", i, began)
+        self._send_gradient(dx, i)
+
+    def _backward(self, action, position, batch, result):
+        i = action.microbatch
+        start, stop = batch.bounds[i]
+        began = time.perf_counter()
+        grad = self.links.receive_gradient(stop - start)
+        self._span("receive gradient", i, began)
+        began = time.perf_counter()
+        dx = self.compute.backward(i, grad, (stop - start) / batch.batch_size)
+        self._span("backward", i, began)
+        self._send_gradient(dx, i)
+
+    def _weights(self, action, position, batch, result):
+        began = time.perf_counter()
+        rows = sum(batch.bounds[i][1] - batch.bounds[i][0] for i in action.microbatches)
+        final = position == self._last_weights
+        self.compute.weights(
+            action.microbatches,
+            rows / batch.batch_size,
+            regularize=final and batch.regularize,
+            optimizer=batch.optimizer if final and self.reducer is None else None,
+        )
+        if self.tracer is not None and self.compute.trainable_variables:
+            self.compute.trainable_variables[0].numpy()  # wait for it, so that the span shows its cost
+        self._span("weights", -1 if len(action.microbatches) > 1 else action.microbatch, began)
+
+    # -- the end of a step ------------------------------------------------------
+
+    def _end_step(self, batch: Batch, result: StepResult) -> None:
+        compute = self.compute
+        training = batch.phase == "train"
+        self._count_regularization(batch, result, before_actions=False)
+        if not training or not compute.trainable_variables:
+            return
+        applied = self._last_weights >= 0 and self.reducer is None and compute.gradients.empty
+        if applied:
+            return  # the last W updated the weights itself
+        summed = None
+        if self.reducer is not None:
+            self.status.activity = f"train step {self.step}, {self.where}: summing gradients over replicas"
+            began = time.perf_counter()
+            summed = self.reducer.sum(compute.gradients.result())
+            self._span("allreduce", -1, began)
+        self.status.activity = f"train step {self.step}, {self.where}: optimizer update"
+        began = time.perf_counter()
+        compute.apply(batch.optimizer, summed)
+        if self.tracer is not None:
+            compute.trainable_variables[0].numpy()
+        self._span("optimizer", -1, began)
+
+    def _count_regularization(self, batch: Batch, result: StepResult, before_actions: bool) -> None:
+        """Adds the weight regularizers' loss, from the weights before the update, once per batch.
+
+        A recorded backward adds their gradients at the end of the step; a
+        split backward adds them in its last ``W``, which may also update the
+        weights, so its loss is read before the actions run.
+        """
+        if not (batch.regularize and self.compute.has_weight_regularizers and batch.phase != "predict"):
+            return
+        recorded_training = batch.phase == "train" and not self.compute.split
+        if before_actions != recorded_training:
+            loss = self.compute.regularization_loss() if before_actions else self.compute.add_regularization()
+            result.loss_part += float(loss)
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _input(self, batch: Batch, i: int):
+        start, stop = batch.bounds[i]
+        if self.is_first:
+            return batch.x[start:stop]
+        began = time.perf_counter()
+        x = self.links.receive_activation(stop - start)
+        self._span("receive activation", i, began)
+        return x
+
+    def _targets(self, batch: Batch, i: int):
+        start, stop = batch.bounds[i]  # the last stage holds the whole global batch's targets
+        sample_weight = None if batch.sample_weight is None else batch.sample_weight[start:stop]
+        return batch.y[start:stop], sample_weight
+
+    def _scales(self, batch: Batch, i: int):
+        """``(data, activity)`` weights of micro-batch ``i`` in the batch's loss."""
+        start, stop = batch.bounds[i]
+        share = (stop - start) / batch.batch_size
+        if batch.loss_reduction == "sum":
+            data = 1.0
+        elif batch.loss_reduction == "mean_with_sample_weight" and batch.sample_weight is not None:
+            data = self._weight_share(batch, i)
+        else:
+            data = share
+        return tf.constant([data, share], tf.float32)
+
+    def _weight_share(self, batch: Batch, i: int) -> float:
+        start, stop = batch.bounds[i]
+        total = float(np.sum(batch.sample_weight))
+        return float(np.sum(batch.sample_weight[start:stop])) / total if total else 0.0
+
+    def _send_gradient(self, dx, i: int) -> None:
+        if self.is_first or dx is None:
+            return
+        began = time.perf_counter()
+        self.links.send_gradient(dx)
+        self._span("send gradient", i, began)
+
+    def _span(self, name: str, microbatch: int, began: float) -> None:
+        if self.tracer is not None:
+            self.tracer.span(name, self.step, microbatch, began, time.perf_counter())
+
+
+_NAMES = {
+    Kind.FORWARD: "forward",
+    Kind.BACKWARD: "backward",
+    Kind.BACKWARD_INPUT: "input gradient",
+    Kind.BACKWARD_WEIGHT: "weight gradients",
+    Kind.FORWARD_BACKWARD: "forward and backward",
+    Kind.FORWARD_INPUT: "forward and input gradient",
+}

@@ -1,0 +1,112 @@
+"""Internal: the same logs on every rank — loss from every stage, metrics from the last.
+
+Every rank holds a share of the batch loss (the last stage the data loss,
+every stage its regularization), and only the last stage has metrics. One
+all-reduce per step sums the loss shares and spreads the metric values, so
+``History``, callbacks and progress bars agree on every rank. The names and
+shapes of the logs are agreed once per kind of step, and their order is the
+order ``keras.Sequential`` gives (loss, then the compiled metrics in
+``compile()`` order), so ``evaluate()``'s list is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_pipe import compat
+from keras_pipe.comm import Communicator
+
+
+class LogSharing:
+    """Shares one step's logs over ``comm``; ``source`` is the world rank that has the metrics."""
+
+    def __init__(self, comm: Communicator, source: int):
+        self.comm = comm
+        self.source = source
+        self._layouts: dict = {}
+
+    def forget(self) -> None:
+        """After ``compile()``: the metrics may have changed."""
+        self._layouts = {}
+
+    def share(self, kind: str, loss_part: float, samples: int, metrics: dict, order=None):
+        """``(loss sum, samples, metrics, order)`` over every rank; ``metrics`` in the source's order.
+
+        ``samples`` counts once (rank 0's); ``metrics`` and ``order`` (the
+        keys of ``evaluate()``'s list) are read on the source only.
+        """
+        has_metrics = self.comm.rank == self.source
+        if kind not in self._layouts:
+            layout = [[name, list(np.shape(value))] for name, value in metrics.items()]
+            shared = self.comm.bcast_json([layout, order] if has_metrics else None, root=self.source)
+            self._layouts[kind] = shared
+        layout, order = self._layouts[kind]
+        values = [loss_part, float(samples) if self.comm.rank == 0 else 0.0]
+        for name, shape in layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            values.extend(np.ravel(metrics[name]).tolist() if has_metrics else [0.0] * size)
+        summed = self.comm.allreduce_sum(np.asarray(values, np.float64))
+        shared, offset = {}, 2
+        for name, shape in layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            chunk = summed[offset : offset + size]
+            shared[name] = float(chunk[0]) if not shape else chunk.reshape(shape)
+            offset += size
+        return float(summed[0]), float(summed[1]), shared, order
+
+
+class ModelLogs:
+    """A ``PipelineModel``'s logs of one step: its last stage's metrics, every stage's loss, on every rank."""
+
+    def __init__(self, model):
+        self.model = model
+        self._update = (None, None)  # (the compiled metrics, their compiled update)
+        # The keys of evaluate()'s list, in Keras' order (where Sequential lists
+        # a metric twice, so does this), from the last stage, whose metrics are built.
+        self.order: list | None = None
+
+    def step_logs(self, phase: str, loss_part: float, batch_size: int, y, y_pred, sample_weight) -> dict:
+        """Updates the metrics (last stage) and the loss tracker; returns the logs, the same on every rank."""
+        model, engine = self.model, self.model.engine
+        metrics, order = {}, None
+        if engine.is_last and compat.compiled_metrics(model) is not None:
+            # Every replica's last stage updates its metrics with the whole
+            # global batch: exact for every metric, and the same everywhere.
+            self._metrics_update()(y, y_pred, sample_weight)
+            metrics = self.metric_results()
+        if engine.is_last:
+            order = keras.Model._flatten_metrics_in_order(model, {k: k for k in ("loss", *metrics)})
+            order = order if isinstance(order, list) else [order]
+        began = time.perf_counter()
+        loss, samples, metrics, self.order = engine.logs.share(phase, loss_part, batch_size, metrics, order)
+        engine.span("share logs", began)
+        tracker = compat.loss_tracker(model)
+        tracker.update_state(np.float32(loss), sample_weight=samples)
+        return {"loss": float(tracker.result()), **metrics}
+
+    def _metrics_update(self):
+        metrics = compat.compiled_metrics(self.model)
+        if self._update[0] is not metrics:
+
+            def update(y, y_pred, sample_weight):
+                metrics.update_state(y, y_pred, sample_weight)
+
+            self._update = (metrics, update if self.model.run_eagerly else tf.function(update))
+        return self._update[1]
+
+    def metric_results(self) -> dict:
+        """The metrics' values in the order ``Sequential``'s logs and ``evaluate()`` list them."""
+        model = self.model
+        results = {}
+        for metric in model.metrics:
+            if metric is compat.loss_tracker(model):
+                continue
+            value = metric.result()
+            results.update(value if isinstance(value, dict) else {metric.name: value})
+        order = keras.Model._flatten_metrics_in_order(model, {"loss": 0.0, **{k: k for k in results}})
+        order = [name for name in (order if isinstance(order, list) else [order]) if name in results]
+        return {name: results[name] for name in dict.fromkeys(order)}

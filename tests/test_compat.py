@@ -1,0 +1,30 @@
+"""Every Keras/TensorFlow internal keras_pipe relies on still exists (keras_pipe/compat.py)."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+
+from keras_pipe import compat  # noqa: E402
+
+
+def test_every_internal_is_there():
+    compat.check()  # raises AttributeError naming what a Keras upgrade removed
+
+
+def test_seed_generators_are_found_in_nested_layers():
+    dropout = keras.layers.Dropout(0.5, seed=1)
+    assert compat.seed_generators(dropout) == [dropout.seed_generator]
+    assert compat.seed_generators(keras.layers.Dense(2)) == []
+
+
+def test_no_module_outside_compat_reaches_into_keras_src():
+    root = os.path.join(os.path.dirname(__file__), "..", "keras_pipe")
+    offenders = []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py") and name != "compat.py":
+            text = open(os.path.join(root, name)).read()
+            if "keras.src" in text or "tensorflow.python" in text:
+                offenders.append(name)
+    assert not offenders, f"Keras/TensorFlow internals outside compat.py: {offenders}"

@@ -1,0 +1,17 @@
+"""Drop-in: the cases where PipelineModel once differed from Sequential now behave as it does.
+
+An unseeded script (rank 0's model is the model), Embedding with Adam (a
+sparse gradient), int64 token ids for an int32 input, evaluate()'s list with
+weighted metrics and (n, 1) binary labels, an uncompiled plain-Keras file, a
+Lambda and a custom layer without get_config(), count_params(), fit() without y.
+"""
+
+import pytest
+from mpi import run_mpi
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_drop_in_cases_behave_as_sequential(nprocs):
+    launch = run_mpi(nprocs, "dropin.py", timeout=300)
+    assert launch.returncode == 0, launch.output
+    assert launch.output.count("DROPIN done") == nprocs, launch.output

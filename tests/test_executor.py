@@ -1,0 +1,162 @@
+"""The executor replays a schedule against a fake compute and fake links: the order of calls, no MPI."""
+
+import numpy as np
+import pytest
+
+from keras_pipe.executor import Batch, Executor
+from keras_pipe.schedule import make_schedule
+
+
+class FakeGradients:
+    empty = True
+
+    def result(self):
+        return ["g"]
+
+
+class FakeCompute:
+    def __init__(self, log, split):
+        self.log = log
+        self.split = split
+        self.trainable_variables = ["w"]
+        self.has_weight_regularizers = False
+        self.gradients = FakeGradients()
+
+    def forward(self, i, x, training):
+        self.log.append(f"F{i}")
+        return np.zeros(1), 0.0
+
+    def forward_backward(self, i, loss_fn, x, y, sample_weight, scales):
+        self.log.append(f"{'FI' if self.split else 'FB'}{i}")
+        return 0.5, np.zeros(1), np.zeros(1)
+
+    def backward(self, i, grad, scale):
+        self.log.append(f"{'I' if self.split else 'B'}{i}")
+        return np.zeros(1)
+
+    def weights(self, microbatches, scale, regularize, optimizer):
+        self.log.append(f"W{'-'.join(map(str, microbatches))}" + ("+update" if optimizer else ""))
+
+    def apply(self, optimizer, grads=None):
+        self.log.append("update")
+
+    def forget_step(self):
+        self.log.append("forget")
+
+
+class FakeLinks:
+    def __init__(self, log):
+        self.log = log
+
+    def send_activation(self, y):
+        self.log.append("send activation")
+
+    def receive_activation(self, rows):
+        self.log.append("receive activation")
+        return np.zeros((rows, 1))
+
+    def send_gradient(self, grad):
+        self.log.append("send gradient")
+
+    def receive_gradient(self, rows):
+        self.log.append("receive gradient")
+        return np.zeros((rows, 1))
+
+    def progress(self):
+        pass
+
+
+class Status:
+    activity = ""
+
+
+def replay(schedule_name, stage, num_stages, m, split):
+    log = []
+    actions = make_schedule(schedule_name, num_stages, m, split)[stage]
+    executor = Executor(
+        FakeCompute(log, split),
+        FakeLinks(log),
+        None,
+        is_first=stage == 0,
+        is_last=stage == num_stages - 1,
+        status=Status(),
+        where=f"stage {stage}",
+    )
+    batch = Batch(
+        phase="train",
+        batch_size=4 * m,
+        bounds=[(4 * i, 4 * i + 4) for i in range(m)],
+        x=np.zeros((4 * m, 1)),
+        y=np.zeros(4 * m),
+        optimizer="adam",
+    )
+    executor.run(actions, batch)
+    return log
+
+
+def test_one_f_one_b_first_stage():
+    assert replay("1f1b", 0, 2, 3, split=False) == [
+        "F0", "send activation",
+        "F1", "send activation",
+        "receive gradient", "B0",
+        "F2", "send activation",
+        "receive gradient", "B1",
+        "receive gradient", "B2",
+        "update",
+    ]  # fmt: skip
+
+
+def test_one_f_one_b_last_stage_fuses_forward_and_backward():
+    assert replay("1f1b", 1, 2, 2, split=False) == [
+        "receive activation", "FB0", "send gradient",
+        "receive activation", "FB1", "send gradient",
+        "update",
+    ]  # fmt: skip
+
+
+def test_gpipe_middle_stage_runs_every_forward_first():
+    assert replay("gpipe", 1, 3, 2, split=False) == [
+        "receive activation", "F0", "send activation",
+        "receive activation", "F1", "send activation",
+        "receive gradient", "B0", "send gradient",
+        "receive gradient", "B1", "send gradient",
+        "update",
+    ]  # fmt: skip
+
+
+def test_split_backward_ends_with_one_weight_pass_that_updates():
+    assert replay("1f1b", 0, 2, 2, split=True) == [
+        "F0", "send activation",
+        "F1", "send activation",
+        "receive gradient", "I0",
+        "receive gradient", "I1",
+        "W0-1+update",
+    ]  # fmt: skip
+
+
+def test_zero_bubble_places_one_weight_pass_per_microbatch():
+    log = replay("zb-h1", 1, 2, 2, split=True)
+    assert log == [
+        "receive activation",
+        "FI0",
+        "send gradient",
+        "W0",
+        "receive activation",
+        "FI1",
+        "send gradient",
+        "W1+update",
+    ]
+
+
+def test_a_failing_action_leaves_nothing_behind():
+    class Failing(FakeCompute):
+        def backward(self, i, grad, scale):
+            raise RuntimeError("boom")
+
+    log = []
+    executor = Executor(Failing(log, False), FakeLinks(log), None, True, False, Status(), "stage 0")
+    batch = Batch(phase="train", batch_size=4, bounds=[(0, 4)], x=np.zeros((4, 1)), optimizer="adam")
+    with pytest.raises(RuntimeError, match="boom"):
+        executor.run(make_schedule("1f1b", 2, 1)[0], batch)
+    assert log[-1] == "forget"
+    assert executor.step == 1
