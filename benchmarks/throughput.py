@@ -151,6 +151,9 @@ def main():
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per launch")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (the median is shown)")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="run the configurations whose label contains one of these"
+    )
     parser.add_argument("--smoke", action="store_true", help="the small workload, 1 round of 1 epoch, 3 configurations")
     args = parser.parse_args()
     if args.worker:
@@ -164,6 +167,8 @@ def main():
         rows = configurations(workload)
         if args.smoke:
             rows = [row for row in rows if row[0].endswith(("all cores", "1f1b, m=4"))]
+        if args.only:
+            rows = [row for row in rows if any(text in row[0] for text in args.only)]
         speeds: dict[str, list[float]] = {label: [] for label, _, _ in rows}
         for _ in range(args.rounds):
             for label, ranks, worker_args in rows:
@@ -174,9 +179,10 @@ def main():
 
 def print_table(workload: str, spec: dict, median: dict) -> None:
     batch = spec["batch"]
+    sequential = [v for k, v in median.items() if k.startswith("Sequential")] or [float("nan")]
     one_core = max(median.get("Sequential, 1 core", 0), median.get("Sequential jit, 1 core", 0))
-    one_core = one_core or max(median["Sequential, all cores"], median["Sequential jit, all cores"]) / 2
-    baseline = median["Sequential, all cores"]
+    one_core = one_core or max(sequential) / 2
+    baseline = median.get("Sequential, all cores", sequential[0])
     print(f"\n{workload}: batch {batch}; 'vs Seq' = against Sequential with the default compile() on all cores")
     header = f"{'configuration':<36} {'samples/s':>10} {'ms/step':>8} {'vs Seq':>7} {'efficiency':>10}"
     print(header)

@@ -76,6 +76,16 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def set_mean_state(mean, total: float, count: float) -> None:
+    """Sets a ``keras.metrics.Mean``'s running sums (``Mean.total``/``Mean.count``, Keras 3.0-3.15).
+
+    Why: the loss tracker's mean is kept in Python per step; its variables
+    are written so that ``result()`` agrees.
+    """
+    mean.total.assign(total)
+    mean.count.assign(count)
+
+
 def compile_config_metrics(model):
     """The ``metrics`` argument given to ``compile()`` (``Trainer._compile_config``, Keras 3.0-3.15), or ``None``."""
     config = getattr(model, "_compile_config", None)
@@ -146,6 +156,16 @@ def variable_handle(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+def call_concrete(concrete, flat_inputs: list):
+    """Calls a traced ``tf.function`` graph with its flat tensor inputs (``ConcreteFunction._call_flat``, TF 2.x).
+
+    Why: a ``tf.function`` call first matches its arguments against its
+    traces, which costs 100-200 us a call; keras_pipe keeps the traces
+    itself, by shape, and calls them directly (62 us for a small program).
+    """
+    return concrete._call_flat(flat_inputs, concrete.captured_inputs)
+
+
 # -- checking ------------------------------------------------------------------------
 
 
@@ -166,6 +186,8 @@ def check() -> None:
         (model, "_loss_tracker"),
         (model, "_compile_config"),
         (model, "_initial_epoch"),
+        (keras.metrics.Mean(), "total"),
+        (keras.metrics.Mean(), "count"),
         *[(callback, name) for name in BACKUP_ATTRIBUTES],
     ]
     missing = [f"{type(obj).__name__}.{name}" for obj, name in needed if not hasattr(obj, name)]
@@ -174,6 +196,9 @@ def check() -> None:
         global_seed()
     except (ImportError, AttributeError) as error:
         missing.append(str(error))
+    concrete = tf.function(lambda x: x + 1).get_concrete_function(tf.TensorSpec((), tf.float32))
+    if not hasattr(concrete, "_call_flat"):
+        missing.append("ConcreteFunction._call_flat")
     if not isinstance(variable_handle(layer.seed_generator.state), tf.Variable):
         missing.append("KerasVariable.value is not a tf.Variable")
     if missing:

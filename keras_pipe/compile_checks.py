@@ -13,12 +13,9 @@ from keras_pipe.errors import PipelineConfigError
 
 def check_arguments(arguments: dict) -> None:
     """Checks ``compile()``'s arguments before Keras sees them."""
-    if arguments.get("jit_compile") is True:
-        raise refuse(
-            "compile(jit_compile=True): a pipeline step sends and receives between micro-batches, so it "
-            "cannot be one XLA program. keras_pipe already compiles each micro-batch's compute with "
-            "tf.function and the optimizer update with XLA; leave jit_compile at its default."
-        )
+    jit = arguments.get("jit_compile", "auto")
+    if jit not in (True, False, "auto"):
+        raise refuse(f"compile(jit_compile={jit!r}): give True, False or 'auto' (XLA where the layers allow it).")
 
 
 def check_model(model) -> None:

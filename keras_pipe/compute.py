@@ -33,7 +33,13 @@ _XLA_REFUSALS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, N
 
 
 class Program:
-    """A compiled function: XLA if it compiles, else a plain ``tf.function``; eager when asked."""
+    """A compiled function: XLA if it compiles, else a plain ``tf.function``; eager when asked.
+
+    Calls go straight to the traced graph of the arguments' shapes (see
+    :func:`keras_pipe.compat.call_concrete`): a ``tf.function`` call spends
+    100-200 us matching its arguments to a trace, more than a small
+    micro-batch's compute.
+    """
 
     def __init__(self, function, jit: bool, eager: bool = False):
         self.python = function
@@ -41,21 +47,44 @@ class Program:
         self.xla = tf.function(function, jit_compile=True) if jit and not eager else None
         self.graph = tf.function(function)
         self.compiled_with_xla: bool | None = None  # known after the first call
+        self._concrete: dict = {}
 
     def __call__(self, *args):
         if self.eager:
             return self.python(*args)
-        if self.xla is not None:
+        key = _signature(args)
+        concrete = self._concrete.get(key)
+        if concrete is None:
+            concrete = self._trace(key, args)
+        flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(args, expand_composites=True) if a is not None]
+        if self.compiled_with_xla is None and self.xla is not None:
             try:
-                result = self.xla(*args)
+                result = compat.call_concrete(concrete, flat)
                 self.compiled_with_xla = True
                 return result
             except _XLA_REFUSALS:
-                if self.compiled_with_xla:
-                    raise  # it compiled before: a real error
-                self.xla = None
-        self.compiled_with_xla = False
-        return self.graph(*args)
+                self.xla = None  # this stage's layers do not compile with XLA: plain graphs from now on
+                self._concrete.clear()
+                concrete = self._trace(key, args)
+        if self.compiled_with_xla is None:
+            self.compiled_with_xla = self.xla is not None
+        return compat.call_concrete(concrete, flat)
+
+    def _trace(self, key, args):
+        function = self.xla if self.xla is not None else self.graph
+        self._concrete[key] = concrete = function.get_concrete_function(*args)
+        return concrete
+
+
+def _signature(value):
+    """What selects a trace: the structure, shapes and dtypes of the arguments (hashable)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if value is None:
+        return None
+    if isinstance(value, tf.IndexedSlices):
+        return ("slices", _signature(value.values), _signature(value.indices))
+    return (tuple(value.shape), str(value.dtype))
 
 
 class StageCompute:

@@ -214,7 +214,7 @@ class Executor:
     def _input(self, batch: Batch, i: int):
         start, stop = batch.bounds[i]
         if self.is_first:
-            return batch.x[start:stop]
+            return batch.x if (start, stop) == (0, batch.batch_size) else batch.x[start:stop]
         began = time.perf_counter()
         x = self.links.receive_activation(stop - start)
         self._span("receive activation", i, began)
@@ -222,6 +222,8 @@ class Executor:
 
     def _targets(self, batch: Batch, i: int):
         start, stop = batch.bounds[i]  # the last stage holds the whole global batch's targets
+        if (start, stop) == (0, batch.batch_size):
+            return batch.y, batch.sample_weight
         sample_weight = None if batch.sample_weight is None else batch.sample_weight[start:stop]
         return batch.y[start:stop], sample_weight
 

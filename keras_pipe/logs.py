@@ -15,10 +15,10 @@ import time
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_pipe import compat
 from keras_pipe.comm import Communicator
+from keras_pipe.compute import Program
 
 
 class LogSharing:
@@ -64,7 +64,8 @@ class ModelLogs:
 
     def __init__(self, model):
         self.model = model
-        self._update = (None, None)  # (the compiled metrics, their compiled update)
+        self._update = (None, None)  # (the compiled metrics, their compiled update and results)
+        self._track = (None, None)  # (the loss tracker, its compiled update and result)
         # The keys of evaluate()'s list, in Keras' order (where Sequential lists
         # a metric twice, so does this), from the last stage, whose metrics are built.
         self.order: list | None = None
@@ -76,17 +77,36 @@ class ModelLogs:
         if engine.is_last and compat.compiled_metrics(model) is not None:
             # Every replica's last stage updates its metrics with the whole
             # global batch: exact for every metric, and the same everywhere.
-            self._metrics_update()(y, y_pred, sample_weight)
-            metrics = self.metric_results()
+            metrics = self.metric_results(self._metrics_update()(y, y_pred, sample_weight))
         if engine.is_last:
             order = keras.Model._flatten_metrics_in_order(model, {k: k for k in ("loss", *metrics)})
             order = order if isinstance(order, list) else [order]
         began = time.perf_counter()
         loss, samples, metrics, self.order = engine.logs.share(phase, loss_part, batch_size, metrics, order)
         engine.span("share logs", began)
-        tracker = compat.loss_tracker(model)
-        tracker.update_state(np.float32(loss), sample_weight=samples)
-        return {"loss": float(tracker.result()), **metrics}
+        return {"loss": self._track_loss(loss, samples), **metrics}
+
+    # Compiled once each, so that a step costs one call for the metrics and
+    # one for the loss instead of a dozen eager operations.
+
+    def _track_loss(self, loss: float, samples: float) -> float:
+        """The running mean of the loss over the epoch's samples, as Keras' loss tracker keeps it.
+
+        Summed here in Python (one step costs no TensorFlow call for it) and
+        written into the tracker, so that its ``result()`` stays right.
+        """
+        tracker = compat.loss_tracker(self.model)
+        if self._track[0] is not tracker or self._track[1] is None:
+            self._track = (tracker, [0.0, 0.0])
+        running = self._track[1]
+        running[0] += loss * samples
+        running[1] += samples
+        compat.set_mean_state(tracker, running[0], running[1])
+        return float(np.float32(running[0]) / np.float32(running[1])) if running[1] else 0.0
+
+    def reset(self) -> None:
+        """At ``reset_metrics()`` (each epoch): the running loss starts again."""
+        self._track = (None, None)
 
     def _metrics_update(self):
         metrics = compat.compiled_metrics(self.model)
@@ -94,12 +114,12 @@ class ModelLogs:
 
             def update(y, y_pred, sample_weight):
                 metrics.update_state(y, y_pred, sample_weight)
+                return self._results()
 
-            self._update = (metrics, update if self.model.run_eagerly else tf.function(update))
+            self._update = (metrics, Program(update, jit=False, eager=bool(self.model.run_eagerly)))
         return self._update[1]
 
-    def metric_results(self) -> dict:
-        """The metrics' values in the order ``Sequential``'s logs and ``evaluate()`` list them."""
+    def _results(self) -> dict:
         model = self.model
         results = {}
         for metric in model.metrics:
@@ -107,6 +127,12 @@ class ModelLogs:
                 continue
             value = metric.result()
             results.update(value if isinstance(value, dict) else {metric.name: value})
+        return results
+
+    def metric_results(self, results: dict | None = None) -> dict:
+        """The metrics' values in the order ``Sequential``'s logs and ``evaluate()`` list them."""
+        model = self.model
+        results = self._results() if results is None else results
         order = keras.Model._flatten_metrics_in_order(model, {"loss": 0.0, **{k: k for k in results}})
         order = [name for name in (order if isinstance(order, list) else [order]) if name in results]
         return {name: results[name] for name in dict.fromkeys(order)}

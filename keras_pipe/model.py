@@ -277,6 +277,7 @@ class PipelineModel(keras.Model):
 
     def reset_metrics(self) -> None:
         super().reset_metrics()
+        self._logs.reset()
         self._pipeline_logs = None
 
     # -- the step functions Keras calls -------------------------------------
