@@ -33,7 +33,12 @@ TAG_STATUS_REPLY = 22
 _REPORT_GRACE_S = 5.0  # how long a stalled rank waits for the others' answers
 
 DEFAULT_STALL_TIMEOUT = 600.0
-_SPIN_S = 50e-6  # poll without sleeping this long before backing off
+# Poll without sleeping this long before backing off: 2 ms where every rank
+# of the host has a core of its own (a sleep costs ~60-80 us of wake-up
+# latency on every message, and spinning takes no core another rank needs;
+# small model of benchmarks/throughput.py, 2 ranks, m = 4: 7.4 -> 5.8 ms a step), 50 us
+# where ranks share cores.
+_SPIN_S = None
 # A gradient all-reduce moves data in rounds, each needing a poll on both
 # sides (MPI progresses only inside MPI calls): sleeping between polls
 # multiplies its time (17 MB in 34 weights: 46 ms sleeping, 12 ms with this
@@ -254,8 +259,10 @@ class Communicator:
 
     # -- waiting --------------------------------------------------------
 
-    def _wait_for(self, poll, what: str, spin_s: float = _SPIN_S):
+    def _wait_for(self, poll, what: str, spin_s: float | None = None):
         """Calls ``poll`` until it returns something truthy, sleeping more and more between calls after ``spin_s``."""
+        if spin_s is None:
+            spin_s = point_to_point_spin()
         result = poll()
         if result:
             return result
@@ -346,6 +353,16 @@ class Communicator:
     def _log(self, text: str) -> None:
         if self._debug:
             print(f"[keras_pipe rank {self.world_rank}] {text} ({self.activity})", file=sys.stderr, flush=True)
+
+
+def point_to_point_spin() -> float:
+    """Seconds a wait polls before it sleeps (see ``_SPIN_S``)."""
+    global _SPIN_S
+    if _SPIN_S is None:
+        from keras_pipe.threads import cores_to_spare
+
+        _SPIN_S = 2e-3 if cores_to_spare() else 50e-6
+    return _SPIN_S
 
 
 class _SharedState:

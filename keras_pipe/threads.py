@@ -93,3 +93,10 @@ def configure_threads(ranks_on_host: int | None = None, warn: bool = True) -> in
         return None
     _configured = threads
     return threads
+
+
+def cores_to_spare() -> bool:
+    """Whether every rank on this host has cores of its own for its threads (so a waiting rank may spin)."""
+    ranks = ranks_on_host_from_environment() or 1
+    threads = _configured or threads_override() or max(1, host_cores() // ranks)
+    return ranks * threads <= host_cores()
