@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import traceback
 
 from mpi4py import MPI
@@ -25,6 +26,10 @@ from mpi4py import MPI
 from keras_pipe.errors import CollectiveError
 
 _installed = False
+# MPI_Abort makes the launcher kill every process at once, and Hydra may
+# exit before it has forwarded what the aborting rank just wrote: the one
+# message that says why the job died. A short, bounded pause lets it arrive.
+FORWARD_GRACE_S = 1.0
 
 
 def describe_failure(error: BaseException, where: str) -> str:
@@ -43,6 +48,7 @@ def abort(error: BaseException, where: str) -> None:
     sys.stderr.write(f"[keras_pipe] rank {comm.Get_rank()} is aborting all {comm.Get_size()} ranks.\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(FORWARD_GRACE_S)
     comm.Abort(1)
     os._exit(1)  # MPI_Abort may return before the launcher kills this process
 
