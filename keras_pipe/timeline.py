@@ -157,7 +157,12 @@ def gantt_chart(per_rank: list[list[dict]], path, schedule: str = "", microbatch
                 axes.barh(rank, (end - start) * 1e3, left=(start - origin) * 1e3, color=COLORS.get(name, "#999999"))
                 if name in COMPUTE and (end - start) * 1e3 > 0:
                     axes.text(
-                        ((start + end) / 2 - origin) * 1e3, rank, str(microbatch), ha="center", va="center", fontsize=7
+                        ((start + end) / 2 - origin) * 1e3,
+                        rank,
+                        "all" if microbatch < 0 else str(microbatch),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
                     )
     axes.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     axes.invert_yaxis()
