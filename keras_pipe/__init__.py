@@ -20,9 +20,9 @@ from keras_pipe.errors import (
     PipelineStallError,
     RankMismatchError,
 )
+from keras_pipe.loading import load_model
 from keras_pipe.model import PipelineModel
 from keras_pipe.runtime import init
-from keras_pipe.saving import load_model
 from keras_pipe.threads import configure_threads as _configure_threads
 
 # Before the script creates any tensor: TensorFlow's pools can only be sized

@@ -99,13 +99,13 @@ class Communicator:
         return Communicator(self.comm.Split(color, key), self.stall_timeout, parent=root)
 
     @property
-    def activity(self) -> str:
+    def doing(self) -> str:
         """What this rank is doing, for stall reports."""
-        return self._shared.activity
+        return self._shared.doing
 
-    @activity.setter
-    def activity(self, text: str) -> None:
-        self._shared.activity = text
+    @doing.setter
+    def doing(self, text: str) -> None:
+        self._shared.doing = text
 
     @property
     def world_rank(self) -> int:
@@ -120,7 +120,7 @@ class Communicator:
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         """Starts sending ``array`` to ``dest``; returns at once."""
         array = np.ascontiguousarray(array)
-        self._log(f"send {_describe(array)} tag {tag} -> rank {self.world_rank_of(dest)}")
+        self._log(f"send {_shape_text(array)} tag {tag} -> rank {self.world_rank_of(dest)}")
         request = self.comm.Isend([array.reshape(-1).view(np.uint8), MPI.BYTE], dest=dest, tag=tag)
         self._pending.append((request, array))
         self.progress()
@@ -146,7 +146,7 @@ class Communicator:
         request = message.Irecv([array.reshape(-1).view(np.uint8), MPI.BYTE])
         sender = self.world_rank_of(source)
         self._wait_for(lambda: request.Test(), f"the rest of a message (tag {tag}) from rank {sender}")
-        self._log(f"recv {_describe(array)} tag {tag} <- rank {sender}")
+        self._log(f"recv {_shape_text(array)} tag {tag} <- rank {sender}")
         return array
 
     def recv_exact(self, source: int, tag: int, shape: tuple, dtype) -> np.ndarray:
@@ -285,7 +285,7 @@ class Communicator:
                 next_status_check = now + 0.1
             if waited > self.stall_timeout:
                 raise PipelineStallError(
-                    f"rank {root.rank} waited {waited:.0f} s for {what} while {self.activity}; the stall "
+                    f"rank {root.rank} waited {waited:.0f} s for {what} while {self.doing}; the stall "
                     f"timeout is {self.stall_timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or PipelineModel("
                     "stall_timeout=...)). A rank is stuck or has died. What each rank was doing:\n"
                     + root.stall_report()
@@ -299,7 +299,7 @@ class Communicator:
 
     def _status(self) -> dict:
         shared = self._shared
-        status = {"rank": self.rank, "doing": shared.activity}
+        status = {"rank": self.rank, "doing": shared.doing}
         if shared.waiting_for:
             status["waiting_for"] = shared.waiting_for
             status["waited_s"] = round(time.monotonic() - shared.wait_started, 1)
@@ -352,7 +352,7 @@ class Communicator:
 
     def _log(self, text: str) -> None:
         if self._debug:
-            print(f"[keras_pipe rank {self.world_rank}] {text} ({self.activity})", file=sys.stderr, flush=True)
+            print(f"[keras_pipe rank {self.world_rank}] {text} ({self.doing})", file=sys.stderr, flush=True)
 
 
 def point_to_point_spin() -> float:
@@ -369,7 +369,7 @@ class _SharedState:
     """What one process is doing, shared by all of its communicators."""
 
     def __init__(self):
-        self.activity = "idle"
+        self.doing = "idle"
         self.waiting_for = ""
         self.wait_started = 0.0
         self.replies: list = []
@@ -388,5 +388,5 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
-def _describe(array: np.ndarray) -> str:
+def _shape_text(array: np.ndarray) -> str:
     return f"{array.dtype.name}{list(array.shape)}"

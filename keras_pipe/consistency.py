@@ -42,8 +42,8 @@ def model_fingerprint(model) -> dict:
         "dtype_policy": str(getattr(model.dtype_policy, "name", model.dtype_policy)),
     }
     if model.compiled:
-        fingerprint["loss"] = _digest(_describe(model.loss))
-        fingerprint["metrics"] = _digest(_describe(compat.compile_config_metrics(model)))
+        fingerprint["loss"] = _digest(_serialized(model.loss))
+        fingerprint["metrics"] = _digest(_serialized(compat.compile_config_metrics(model)))
         fingerprint["optimizer"] = type(model.optimizer).__name__ if model.optimizer is not None else None
     return fingerprint
 
@@ -67,7 +67,7 @@ def _layer_config(layer):
     return config
 
 
-def _describe(value):
+def _serialized(value):
     try:
         import keras
 
@@ -85,11 +85,7 @@ def check_same_everywhere(comm: Communicator, what: str, values: dict) -> None:
         if any(v != seen[0] for v in seen):
             if all(isinstance(v, list) for v in seen):
                 seen = _first_difference(seen)
-            groups: dict[str, list[int]] = {}
-            for rank, v in enumerate(seen):
-                groups.setdefault(json.dumps(v, sort_keys=True), []).append(rank)
-            shown = "; ".join(f"ranks {ranks}: {_short(v)}" for v, ranks in groups.items())
-            differences.append(f"  {key}: {shown}")
+            differences.append(f"  {key}: {ranks_by_value(seen, json_values=True)}")
     if differences:
         raise (
             RankMismatchError(
@@ -97,6 +93,18 @@ def check_same_everywhere(comm: Communicator, what: str, values: dict) -> None:
                 "script with the same model, compile() and fit()/evaluate()/predict() arguments."
             )
         )
+
+
+def ranks_by_value(values: list, json_values: bool = False) -> str:
+    """``'ranks [0, 1, 2]: 4; ranks [3]: 1'``: which ranks passed which value.
+
+    >>> ranks_by_value([4, 4, 4, 1])
+    'ranks [0, 1, 2]: 4; ranks [3]: 1'
+    """
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(json.dumps(value, sort_keys=True) if json_values else repr(value), []).append(rank)
+    return "; ".join(f"ranks {ranks}: {_short(value)}" for value, ranks in groups.items())
 
 
 def _first_difference(lists: list[list]) -> list:
@@ -138,7 +146,7 @@ class StepAgreement:
 
     def agree(self, phase: str, has_data: bool, batch_size: int, digest: int = 0) -> None:
         header = np.array([PHASES[phase], self.call, self.step, int(has_data), batch_size, digest], np.int64)
-        self.comm.activity = f"{phase} step {self.step}: checking that every rank has a batch"
+        self.comm.doing = f"{phase} step {self.step}: checking that every rank has a batch"
         everyone = self.comm.allgather_array(header)
         self.step += 1
         if (everyone[:, :5] == everyone[0, :5]).all():

@@ -60,10 +60,7 @@ class Engine:
         self.num_replicas = self.layout.num_replicas
         if num_microbatches is None:
             num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
-        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
-            raise PipelineConfigError(
-                f"num_microbatches={num_microbatches!r}: it must be a positive integer (1 means no micro-batching)."
-            )
+        schedule.check_microbatches(num_microbatches)
         schedule.check_name(schedule_name)
         self.num_microbatches = num_microbatches
         self.schedule = schedule_name

@@ -65,7 +65,7 @@ class Executor:
         links: its :class:`~keras_pipe.links.Links` (``None`` with one stage).
         reducer: sums gradients over the stage's replicas (``None`` with one replica).
         is_first, is_last: the stage's place in the pipeline.
-        status: an object whose ``activity`` attribute stall reports read.
+        status: an object whose ``doing`` attribute stall reports read (the world communicator).
         where: how this rank's place is named in those reports.
     """
 
@@ -95,7 +95,7 @@ class Executor:
         try:
             self._count_regularization(batch, result, before_actions=True)
             for position, action in enumerate(actions):
-                self.status.activity = (
+                self.status.doing = (
                     f"{batch.phase} step {self.step}, {self.where}: {_NAMES[action.kind]} of micro-batch "
                     f"{action.microbatch}"
                 )
@@ -184,11 +184,11 @@ class Executor:
             return  # the last W updated the weights itself
         summed = None
         if self.reducer is not None:
-            self.status.activity = f"train step {self.step}, {self.where}: summing gradients over replicas"
+            self.status.doing = f"train step {self.step}, {self.where}: summing gradients over replicas"
             began = time.perf_counter()
             summed = self.reducer.sum(compute.gradients.result())
             self._span("allreduce", -1, began)
-        self.status.activity = f"train step {self.step}, {self.where}: optimizer update"
+        self.status.doing = f"train step {self.step}, {self.where}: optimizer update"
         began = time.perf_counter()
         compute.apply(batch.optimizer, summed)
         if self.tracer is not None:

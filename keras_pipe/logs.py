@@ -27,11 +27,11 @@ class LogSharing:
     def __init__(self, comm: Communicator, source: int):
         self.comm = comm
         self.source = source
-        self._layouts: dict = {}
+        self._fields: dict = {}
 
     def forget(self) -> None:
         """After ``compile()``: the metrics may have changed."""
-        self._layouts = {}
+        self._fields = {}
 
     def share(self, kind: str, loss_part: float, samples: int, metrics: dict, order=None):
         """``(loss sum, samples, metrics, order)`` over every rank; ``metrics`` in the source's order.
@@ -40,18 +40,18 @@ class LogSharing:
         keys of ``evaluate()``'s list) are read on the source only.
         """
         has_metrics = self.comm.rank == self.source
-        if kind not in self._layouts:
-            layout = [[name, list(np.shape(value))] for name, value in metrics.items()]
-            shared = self.comm.bcast_json([layout, order] if has_metrics else None, root=self.source)
-            self._layouts[kind] = shared
-        layout, order = self._layouts[kind]
+        if kind not in self._fields:
+            fields = [[name, list(np.shape(value))] for name, value in metrics.items()]
+            shared = self.comm.bcast_json([fields, order] if has_metrics else None, root=self.source)
+            self._fields[kind] = shared
+        fields, order = self._fields[kind]
         values = [loss_part, float(samples) if self.comm.rank == 0 else 0.0]
-        for name, shape in layout:
+        for name, shape in fields:
             size = int(np.prod(shape, dtype=np.int64))
             values.extend(np.ravel(metrics[name]).tolist() if has_metrics else [0.0] * size)
         summed = self.comm.allreduce_sum(np.asarray(values, np.float64))
         shared, offset = {}, 2
-        for name, shape in layout:
+        for name, shape in fields:
             size = int(np.prod(shape, dtype=np.int64))
             chunk = summed[offset : offset + size]
             shared[name] = float(chunk[0]) if not shape else chunk.reshape(shape)

@@ -27,7 +27,7 @@ def microbatch_bounds(batch_size: int, num_microbatches: int) -> list[tuple[int,
     >>> microbatch_bounds(5, 2)
     [(0, 3), (3, 5)]
     """
-    return _bounds(microbatch_sizes(batch_size, num_microbatches))
+    return bounds_of(microbatch_sizes(batch_size, num_microbatches))
 
 
 def replica_bounds(batch_size: int, num_replicas: int) -> list[tuple[int, int]]:
@@ -41,7 +41,7 @@ def replica_bounds(batch_size: int, num_replicas: int) -> list[tuple[int, int]]:
     >>> replica_bounds(1, 2)
     [(0, 1), (1, 1)]
     """
-    return _bounds(_even_sizes(batch_size, num_replicas))
+    return bounds_of(_even_sizes(batch_size, num_replicas))
 
 
 def _even_sizes(total: int, parts: int) -> list[int]:
@@ -50,7 +50,12 @@ def _even_sizes(total: int, parts: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(parts)]
 
 
-def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
+def bounds_of(sizes) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive parts of the given sizes (micro-batches, replicas' shares, stages).
+
+    >>> bounds_of([2, 3])
+    [(0, 2), (2, 5)]
+    """
     bounds, start = [], 0
     for size in sizes:
         bounds.append((start, start + size))

@@ -17,16 +17,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import compat, compile_checks, partition, saving
+from keras_pipe import compat, compile_checks, partition
 from keras_pipe import weights as _weights
 from keras_pipe.calls import CallPreparation, batch_size_of, python_step_function
 from keras_pipe.engine import Engine
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.failure import collective
 from keras_pipe.logs import ModelLogs
+from keras_pipe.saving import SavingMethods
 
 
-class PipelineModel(keras.Model):
+class PipelineModel(SavingMethods, keras.Model):
     """A chain of layers trained with pipeline parallelism over MPI ranks.
 
     Write the model as for ``keras.Sequential`` and run the same script under
@@ -338,53 +339,6 @@ class PipelineModel(keras.Model):
         """Sets the whole model's weights from rank 0's ``Sequential``-ordered ``weights`` (collective)."""
         self.build()
         _weights.assign(self.engine, weights)
-
-    # -- saving -------------------------------------------------------------------
-
-    @collective
-    def to_sequential(self) -> keras.Sequential | None:
-        """The whole model, weights and optimizer state, as a ``keras.Sequential`` on rank 0 (``None`` elsewhere).
-
-        Collective: call it on every rank.
-        """
-        self.build()
-        return saving.to_sequential(self)
-
-    @collective
-    def save(self, filepath, overwrite: bool = True, zipped=None, **kwargs) -> None:
-        """Writes one standard ``.keras`` file, from rank 0: the equivalent ``Sequential`` (collective).
-
-        Plain ``keras.models.load_model`` opens the file in one process,
-        without MPI or keras_pipe; :func:`keras_pipe.load_model` opens it on
-        any number of ranks.
-        """
-        sequential = self.to_sequential()
-        arguments = dict(kwargs, overwrite=overwrite)
-        if zipped is not None:
-            arguments["zipped"] = zipped
-        saving.on_root(self.engine.world, lambda: sequential.save(filepath, **arguments), f"save {filepath}")
-
-    @collective
-    def save_weights(self, filepath, overwrite: bool = True, **kwargs) -> None:
-        """Writes the whole model's weights (and optimizer state) to one ``.weights.h5`` file, from rank 0."""
-        sequential = self.to_sequential()
-        saving.on_root(
-            self.engine.world,
-            lambda: sequential.save_weights(filepath, overwrite=overwrite, **kwargs),
-            f"save weights to {filepath}",
-        )
-
-    @collective
-    def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
-        """Reads a ``.weights.h5`` file of this model (or its ``Sequential``) on rank 0; each stage gets its part."""
-        self.build()
-
-        def read():
-            sequential = saving.skeleton(self)
-            sequential.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
-            return sequential
-
-        saving.load_into(self, saving.on_root(self.engine.world, read, f"load weights from {filepath}"))
 
     # -- construction from Keras models ---------------------------------------
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import keras
 
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.microbatch import bounds_of
 
 
 @dataclass(frozen=True)
@@ -212,11 +213,7 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
     >>> stage_bounds([2, 3])
     [(0, 2), (2, 5)]
     """
-    bounds, start = [], 0
-    for size in balance:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    return bounds_of(balance)
 
 
 def summary_lines(specs: Sequence[LayerSpec], balance: Sequence[int]) -> list[str]:

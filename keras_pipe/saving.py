@@ -20,6 +20,7 @@ import numpy as np
 from keras_pipe import partition
 from keras_pipe.comm import TAG_STATE, Communicator
 from keras_pipe.errors import PipelineIOError
+from keras_pipe.failure import collective
 from keras_pipe.weights import copy_from_first_replica
 
 ROOT = 0
@@ -31,24 +32,24 @@ ROOT = 0
 def gather_to_root(comm: Communicator, arrays: list[np.ndarray]) -> list[list[np.ndarray]] | None:
     """Every rank's list of arrays, on rank 0 (``None`` elsewhere); shapes travel as JSON."""
     arrays = [np.asarray(a) for a in arrays]
-    layouts = comm.allgather_json([[list(a.shape), a.dtype.str] for a in arrays])
+    shapes = comm.allgather_json([[list(a.shape), a.dtype.str] for a in arrays])
     if comm.rank != ROOT:
         for array in arrays:
             comm.send(array, ROOT, TAG_STATE)
         comm.flush()
         return None
     gathered = []
-    for rank, layout in enumerate(layouts):
+    for rank, shape_list in enumerate(shapes):
         if rank == ROOT:
             gathered.append(arrays)
         else:
-            gathered.append([comm.recv_exact(rank, TAG_STATE, tuple(shape), dtype) for shape, dtype in layout])
+            gathered.append([comm.recv_exact(rank, TAG_STATE, tuple(shape), dtype) for shape, dtype in shape_list])
     return gathered
 
 
 def scatter_from_root(comm: Communicator, per_rank: list[list[np.ndarray]] | None) -> list[np.ndarray]:
     """Rank ``r`` gets ``per_rank[r]`` from rank 0."""
-    layouts = comm.bcast_json(
+    shapes = comm.bcast_json(
         [[[list(np.shape(a)), np.asarray(a).dtype.str] for a in arrays] for arrays in per_rank]
         if comm.rank == ROOT
         else None,
@@ -61,7 +62,7 @@ def scatter_from_root(comm: Communicator, per_rank: list[list[np.ndarray]] | Non
                     comm.send(np.asarray(array), rank, TAG_STATE)
         comm.flush()
         return [np.asarray(a) for a in per_rank[ROOT]]
-    return [comm.recv_exact(ROOT, TAG_STATE, tuple(shape), dtype) for shape, dtype in layouts[comm.rank]]
+    return [comm.recv_exact(ROOT, TAG_STATE, tuple(shape), dtype) for shape, dtype in shapes[comm.rank]]
 
 
 def on_root(comm: Communicator, action, what: str):
@@ -215,53 +216,47 @@ def _load_pipeline(model, sequential: keras.Sequential | None) -> None:
     )
 
 
-def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline_options):
-    """Opens a ``.keras`` file saved by ``PipelineModel`` (on any number of ranks) or by plain Keras.
+class SavingMethods:
+    """``PipelineModel``'s saving and loading methods (a mixin; every one is collective)."""
 
-    Rank 0 reads the file (with Keras' ``safe_mode``); every rank rebuilds
-    the layers from the model's JSON config and receives its stage's weights
-    and optimizer state, so training resumes exactly.
+    @collective
+    def to_sequential(self) -> keras.Sequential | None:
+        """The whole model, weights and optimizer state, as a ``keras.Sequential`` on rank 0 (``None`` elsewhere)."""
+        self.build()
+        return to_sequential(self)
 
-    Example:
+    @collective
+    def save(self, filepath, overwrite: bool = True, zipped=None, **kwargs) -> None:
+        """Writes one standard ``.keras`` file, from rank 0: the equivalent ``Sequential``.
 
-    ```python
-    model = keras_pipe.load_model("model.keras", num_microbatches=4)
-    model.fit(x, y, epochs=1)
-    ```
-    """
-    from keras_pipe.comm import Communicator
-    from keras_pipe.model import PipelineModel
+        Plain ``keras.models.load_model`` opens the file in one process,
+        without MPI or keras_pipe; :func:`keras_pipe.load_model` opens it on
+        any number of ranks.
+        """
+        sequential = self.to_sequential()
+        arguments = dict(kwargs, overwrite=overwrite)
+        if zipped is not None:
+            arguments["zipped"] = zipped
+        on_root(self.engine.world, lambda: sequential.save(filepath, **arguments), f"save {filepath}")
 
-    comm = Communicator()
+    @collective
+    def save_weights(self, filepath, overwrite: bool = True, **kwargs) -> None:
+        """Writes the whole model's weights (and optimizer state) to one ``.weights.h5`` file, from rank 0."""
+        sequential = self.to_sequential()
+        on_root(
+            self.engine.world,
+            lambda: sequential.save_weights(filepath, overwrite=overwrite, **kwargs),
+            f"save weights to {filepath}",
+        )
 
-    def read():
-        loaded = keras.models.load_model(filepath, custom_objects=custom_objects, safe_mode=safe_mode)
-        if not isinstance(loaded, keras.Sequential):
-            raise ValueError(f"{filepath} holds a {type(loaded).__name__}; keras_pipe loads Sequential models")
-        return loaded
+    @collective
+    def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
+        """Reads a ``.weights.h5`` file of this model (or its ``Sequential``) on rank 0; each stage gets its part."""
+        self.build()
 
-    sequential = on_root(comm, read, f"load {filepath}")
-    description = comm.bcast_json(_describe(sequential) if comm.rank == ROOT else None, root=ROOT)
-    with keras.saving.custom_object_scope(custom_objects or {}):
-        layers = [keras.saving.deserialize_keras_object(c, safe_mode=safe_mode) for c in description["layers"]]
-        shape, dtype = description["input"]
-        pipeline_options.setdefault("name", description["name"])
-        model = PipelineModel([keras.Input(batch_shape=tuple(shape), dtype=dtype), *layers], **pipeline_options)
-        model.build()
-        if description["compile"] is not None:
-            model.compile_from_config(description["compile"])
-    load_into(model, sequential)
-    return model
+        def read():
+            sequential = skeleton(self)
+            sequential.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+            return sequential
 
-
-def _describe(sequential: keras.Sequential) -> dict:
-    config = sequential.get_config()
-    layers = [c for c in config["layers"] if c["class_name"] != "InputLayer"]
-    first = sequential.inputs[0]
-    compile_config = sequential.get_compile_config() if sequential.compiled else None
-    return {
-        "name": sequential.name,
-        "layers": layers,
-        "input": [list(first.shape), str(first.dtype)],
-        "compile": compile_config,
-    }
+        load_into(self, on_root(self.engine.world, read, f"load weights from {filepath}"))

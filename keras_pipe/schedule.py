@@ -376,8 +376,12 @@ def _show(schedule: list[list[Action]], position: list[int], mark: str = "<-- ST
 def _check(num_stages: int, num_microbatches: int) -> None:
     if not isinstance(num_stages, int) or num_stages < 1:
         raise PipelineConfigError(f"num_stages must be a positive integer, got {num_stages!r}.")
+    check_microbatches(num_microbatches)
+
+
+def check_microbatches(num_microbatches) -> None:
+    """Raises :class:`PipelineConfigError` unless ``num_microbatches`` is a positive integer."""
     if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
         raise PipelineConfigError(
-            f"num_microbatches must be a positive integer, got {num_microbatches!r}; "
-            "use num_microbatches=1 for no micro-batching."
+            f"num_microbatches={num_microbatches!r}: it must be a positive integer (1 means no micro-batching)."
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keras_pipe.comm import Communicator
+from keras_pipe.consistency import ranks_by_value
 from keras_pipe.errors import RankMismatchError
 from keras_pipe.layout import Layout, host_name
 
@@ -57,10 +58,7 @@ def check_same_num_stages(values: list) -> None:
     """Raises :class:`RankMismatchError` on every rank unless every rank passed the same ``num_stages``."""
     if all(v == values[0] for v in values):
         return
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(repr(value), []).append(rank)
-    shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+    shown = ranks_by_value(values)
     raise (
         RankMismatchError(f"the ranks disagree on num_stages: {shown}. Every rank must build the same PipelineModel.")
     )

@@ -64,7 +64,7 @@ def copy_from_first_replica(engine, optimizer=None) -> None:
     replicas = engine.replicas
     if replicas is None or not engine.built:
         return
-    engine.world.activity = "copying the first replica's weights to the other replicas"
+    engine.world.doing = "copying the first replica's weights to the other replicas"
     variables = engine.stage_weights()
     if optimizer is not None and replicas.bcast_json(bool(optimizer.built), root=0):
         if not optimizer.built:

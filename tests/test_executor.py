@@ -67,7 +67,7 @@ class FakeLinks:
 
 
 class Status:
-    activity = ""
+    doing = ""
 
 
 def replay(schedule_name, stage, num_stages, m, split):
