@@ -30,7 +30,7 @@ from keras_pipe.links import Links
 from keras_pipe.logs import LogSharing
 from keras_pipe.microbatch import microbatch_bounds, replica_bounds
 from keras_pipe.profile import balance_by_time
-from keras_pipe.runtime import init
+from keras_pipe.runtime import init, start_entry_agreement
 from keras_pipe.threads import configure_threads
 from keras_pipe.topology import connect
 
@@ -48,6 +48,7 @@ class Engine:
     def __init__(self, num_stages, stall_timeout, num_microbatches, schedule_name: str, balance):
         init()
         topology = connect(num_stages, stall_timeout)
+        start_entry_agreement(topology.world)
         me = topology.layout.hosts[topology.world.rank]
         configure_threads(ranks_on_host=topology.layout.hosts.count(me))
         self.world = topology.world

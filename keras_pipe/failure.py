@@ -53,23 +53,37 @@ def abort(error: BaseException, where: str) -> None:
     os._exit(1)  # MPI_Abort may return before the launcher kills this process
 
 
-def collective(method):
-    """Decorates a method every rank calls together: an error on one rank aborts the job.
+_depth = 0  # collective methods running on this rank (fit() runs evaluate() inside)
 
-    A :class:`CollectiveError` (raised alike everywhere) propagates
-    normally; anything else, with more than one rank, is printed naming this
-    rank and the method, and the job is aborted, as the other ranks would
-    otherwise wait for this one forever.
+
+def collective(method):
+    """Decorates a method every rank calls together: agreed on entry; an error on one rank aborts the job.
+
+    On entry to the outermost collective method, the ranks compare which
+    method each called (:func:`keras_pipe.runtime.agree_on_entry`): a method
+    called on some ranks only (``if rank == 0: model.save(...)``) is an error
+    at once, not a wait for the stall timeout. A :class:`CollectiveError`
+    (raised alike everywhere) propagates normally; anything else, with more
+    than one rank, is printed naming this rank and the method, and the job
+    is aborted, as the other ranks would otherwise wait for this one forever.
     """
 
     @functools.wraps(method)
-    def wrapper(*args, **kwargs):
+    def wrapper(self, *args, **kwargs):
+        global _depth
+        from keras_pipe.runtime import agree_on_entry
+
+        _depth += 1
         try:
-            return method(*args, **kwargs)
+            if _depth == 1:
+                agree_on_entry(f"{method.__name__}()")
+            return method(self, *args, **kwargs)
         except BaseException as error:
             if MPI.COMM_WORLD.Get_size() > 1 and not isinstance(error, CollectiveError):
                 abort(error, f"{method.__name__}()")
             raise
+        finally:
+            _depth -= 1
 
     return wrapper
 

@@ -370,6 +370,7 @@ class PipelineModel(SavingMethods, keras.Model):
             pipeline.set_weights(model.get_weights())
         return pipeline
 
+    @collective
     def count_params(self) -> int:
         """The whole model's parameters, every stage's, as ``Sequential.count_params`` (collective if unbuilt).
 
@@ -380,6 +381,7 @@ class PipelineModel(SavingMethods, keras.Model):
         self.build()
         return sum(spec.num_params for spec in self.engine.specs)
 
+    @collective
     def summary(self, print_fn=None, **kwargs) -> None:
         """Prints one table, on rank 0: each layer with its stage, output shape and parameters (collective)."""
         self.build()
