@@ -43,7 +43,11 @@ def model_fingerprint(model) -> dict:
     }
     if model.compiled:
         fingerprint["loss"] = _digest(_serialized(model.loss))
-        fingerprint["metrics"] = _digest(_serialized(compat.compile_config_metrics(model)))
+        # Without their names: a metric object created once more on one rank
+        # is auto-named "precision_1" there, which changes nothing (the logs
+        # take the last stage's names).
+        metrics = _without_names(_serialized(compat.compile_config_metrics(model)))
+        fingerprint["metrics"] = f"{_metric_classes(metrics)} #{_digest(metrics)[:6]}"
         fingerprint["optimizer"] = type(model.optimizer).__name__ if model.optimizer is not None else None
     return fingerprint
 
@@ -65,6 +69,26 @@ def _layer_config(layer):
         return None
     config.pop("name", None)  # auto-generated names may differ between ranks
     return config
+
+
+def _without_names(value):
+    """A serialized Keras config with every ``"name"`` entry left out."""
+    if isinstance(value, dict):
+        return {k: _without_names(v) for k, v in value.items() if k != "name"}
+    if isinstance(value, list):
+        return [_without_names(v) for v in value]
+    return value
+
+
+def _metric_classes(value) -> str:
+    """``'accuracy, Precision, AUC'``: what a metrics config holds, readably."""
+    if isinstance(value, dict) and "class_name" in value:
+        return str(value["class_name"])
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_metric_classes(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_metric_classes(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def _serialized(value):

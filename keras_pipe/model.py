@@ -358,6 +358,12 @@ class PipelineModel(SavingMethods, keras.Model):
         model = PipelineModel.from_sequential(seq, num_microbatches=4)
         ```
         """
+        if not isinstance(model, keras.Sequential):
+            raise PipelineConfigError(
+                f"from_sequential takes a keras.Sequential, got a {type(model).__name__} ({model.name!r}). A "
+                "pipeline is a chain of layers: write it as PipelineModel([keras.Input(...), layer, ...]), keeping "
+                "any branch or skip connection inside one custom layer."
+            )
         items = []
         if model.built:
             first = model.inputs[0] if getattr(model, "inputs", None) else None

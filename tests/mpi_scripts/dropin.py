@@ -159,5 +159,23 @@ except PipelineConfigError as error:
     assert "no y" in str(error), error
 ok("fit without y")
 
+# 8. A metric object created once more on one rank (auto-named differently there) changes nothing.
+if RANK == 1:
+    keras.metrics.Precision()
+model = PipelineModel(binary_chain())
+model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=[keras.metrics.Precision()])
+model.fit(x, binary, epochs=1, verbose=0)
+ok("extra metric object")
+
+# 8. from_sequential on a branching Functional model says what a pipeline needs.
+inputs = keras.Input((12,))
+branching = keras.Model(inputs, keras.layers.Add()([keras.layers.Dense(4)(inputs), keras.layers.Dense(4)(inputs)]))
+try:
+    PipelineModel.from_sequential(branching)
+    raise AssertionError("a branching model was accepted")
+except PipelineConfigError as error:
+    assert "takes a keras.Sequential, got a Functional" in str(error), error
+ok("functional refused")
+
 print(f"DROPIN done rank {RANK} of {SIZE}", flush=True)
 sys.exit(0)
