@@ -93,7 +93,6 @@ class StageCompute:
     Args:
         layers: this stage's layers, built.
         is_first: whether the stage reads the model input (it needs no input gradient).
-        loss: ``(y, y_pred, sample_weight) -> loss`` (the compiled loss), on the last stage.
         jit: compile programs with XLA where the layers allow it.
         eager: run everything op by op (``compile(run_eagerly=True)``).
     """
@@ -118,7 +117,6 @@ class StageCompute:
         """Changes how programs compile (after ``compile()``); forgets the compiled ones."""
         self.jit, self.eager = jit, eager
         self._programs.clear()
-        self.gradients.forget_programs()
 
     def _program(self, key, function) -> Program:
         if key not in self._programs:

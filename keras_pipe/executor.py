@@ -79,6 +79,7 @@ class Executor:
         self.where = where
         self.tracer = None
         self.step = 0
+        self._last_weights = -1  # position of the step's last W action (it may apply the update)
         self._handlers = {
             Kind.FORWARD: self._forward,
             Kind.FORWARD_BACKWARD: self._forward_backward,

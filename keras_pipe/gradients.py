@@ -35,9 +35,6 @@ class GradientSum:
         self._accumulated = False  # whether the accumulators hold the sum
         self._sparse: dict[int, list] = {}
 
-    def forget_programs(self) -> None:
-        """Nothing cached here depends on compile options; kept for symmetry with the stage."""
-
     @property
     def empty(self) -> bool:
         return self._direct is None and not self._accumulated
