@@ -56,9 +56,32 @@ def debug_enabled() -> bool:
     return os.environ.get("KERAS_PIPE_DEBUG", "") not in ("", "0")
 
 
-def stall_timeout_from_env(default: float = DEFAULT_STALL_TIMEOUT) -> float:
-    value = os.environ.get("KERAS_PIPE_STALL_TIMEOUT")
-    return float(value) if value else default
+def stall_timeout_from_env(default: float = DEFAULT_STALL_TIMEOUT, environ=os.environ) -> float:
+    """``KERAS_PIPE_STALL_TIMEOUT`` in seconds, ``default`` when unset; a clear error naming it when invalid.
+
+    >>> stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "30"})
+    30.0
+    """
+    value = environ.get("KERAS_PIPE_STALL_TIMEOUT", "")
+    if not value.strip():
+        return default
+    return check_stall_timeout(value, "KERAS_PIPE_STALL_TIMEOUT")
+
+
+def check_stall_timeout(value, name: str = "stall_timeout") -> float:
+    """A stall timeout as a positive number of seconds; a ``PipelineConfigError`` naming ``name`` otherwise."""
+    from keras_pipe.errors import PipelineConfigError
+
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0:  # also refuses NaN
+        raise PipelineConfigError(
+            f"{name}={value!r}: give the seconds a rank may wait for another before the job is ended as stuck, "
+            f"a positive number (default {DEFAULT_STALL_TIMEOUT:g}; 'inf' never ends it)"
+        )
+    return seconds
 
 
 class Communicator:
@@ -74,7 +97,7 @@ class Communicator:
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.stall_timeout = stall_timeout_from_env() if stall_timeout is None else float(stall_timeout)
+        self.stall_timeout = stall_timeout_from_env() if stall_timeout is None else check_stall_timeout(stall_timeout)
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
         # Stall reports always go over the parent (world) communicator, and
         # what this rank is doing is one shared record, whichever of its
@@ -282,8 +305,10 @@ class Communicator:
             waited = now - start
             if now > next_status_check:
                 root.answer_status_requests()
+                if root.dead_peers() and not poll():  # (a peer that finished may have sent what we wait for)
+                    root.report_dead_peers(what)
                 next_status_check = now + 0.1
-            if waited > self.stall_timeout:
+            if waited > self.stall_timeout and not shared.someone_reporting(now):
                 raise PipelineStallError(
                     f"rank {root.rank} waited {waited:.0f} s for {what} while {self.doing}; the stall "
                     f"timeout is {self.stall_timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or PipelineModel("
@@ -313,15 +338,53 @@ class Communicator:
             self.comm.Recv(np.empty(1, np.int64), source=source, tag=TAG_STATUS_REQUEST)
             reply = np.frombuffer(json.dumps(self._status()).encode(), np.uint8).copy()
             self._shared.replies.append((self.comm.Isend(reply, dest=source, tag=TAG_STATUS_REPLY), reply))
+            self._shared.last_asked = time.monotonic()
         self._shared.replies = [(r, a) for r, a in self._shared.replies if not r.Test()]
 
-    def stall_report(self) -> str:
+    def set_peers(self, peers: list[tuple[str, int]]) -> None:
+        """Every rank's (host, pid), so that a wait notices a rank of this host whose process has gone."""
+        self._shared.peers = list(peers)
+
+    def dead_peers(self) -> list[int]:
+        """The ranks of this host whose process no longer exists (ranks elsewhere cannot be checked by pid)."""
+        peers = self._shared.peers
+        if not peers:
+            return []
+        host = peers[self.rank][0]
+        return [r for r, (h, pid) in enumerate(peers) if h == host and r != self.rank and not _alive(pid)]
+
+    def report_dead_peers(self, what: str) -> None:
+        """Raises :class:`PipelineStallError` naming the ranks of this host whose process has gone.
+
+        A rank elsewhere that dies is found by the stall timeout. Every
+        survivor of the host notices; the lowest reports first, and the
+        others, asked by it for their status, leave the report to it.
+        """
+        shared = self._shared
+        dead = self.dead_peers()
+        if not dead:
+            return
+        now = time.monotonic()
+        shared.dead_since = shared.dead_since or now
+        if now - shared.dead_since < 0.2 * self.rank or shared.someone_reporting(now):
+            return
+        names = ", ".join(f"rank {r} (pid {shared.peers[r][1]} on {shared.peers[r][0]})" for r in dead)
+        raise PipelineStallError(
+            f"{names} stopped: its process no longer exists (killed by a signal, by the out-of-memory killer, or "
+            f"it exited without keras_pipe noticing). Rank {self.rank} was waiting for {what} while {self.doing}. "
+            "What each rank was doing:\n" + self.stall_report(dead=dead)
+        )
+
+    def stall_report(self, dead: list[int] = ()) -> str:
         """Asks every other rank what it is doing; one line per rank (silent ranks marked)."""
         asks = [np.zeros(1, np.int64) for _ in range(self.size)]
         requests = [
-            self.comm.Isend(asks[r], dest=r, tag=TAG_STATUS_REQUEST) for r in range(self.size) if r != self.rank
+            self.comm.Isend(asks[r], dest=r, tag=TAG_STATUS_REQUEST)
+            for r in range(self.size)
+            if r != self.rank and r not in dead
         ]
         answers = {self.rank: self._status()}
+        answers.update({r: {"rank": r, "doing": "dead: its process no longer exists"} for r in dead})
         deadline = time.monotonic() + _REPORT_GRACE_S
         status = MPI.Status()
         while len(answers) < self.size and time.monotonic() < deadline:
@@ -341,14 +404,19 @@ class Communicator:
             answer = answers.get(rank)
             if answer is None:
                 lines.append(
-                    f"  rank {rank}: no answer within {_REPORT_GRACE_S:g} s (dead, or stuck outside keras_pipe)"
+                    f"  rank {rank}{self._where(rank)}: no answer within {_REPORT_GRACE_S:g} s (dead, stuck "
+                    "outside keras_pipe, or failed before its first PipelineModel: see its own output)"
                 )
                 continue
             line = f"  rank {rank}: {answer['doing']}"
             if "waiting_for" in answer:
                 line += f"; waiting {answer['waited_s']} s for {answer['waiting_for']}"
-            lines.append(line + ("  <-- timed out" if rank == self.rank else ""))
+            lines.append(line + ("  <-- reporting" if rank == self.rank else ""))
         return "\n".join(lines)
+
+    def _where(self, rank: int) -> str:
+        peers = self._shared.peers
+        return f" (pid {peers[rank][1]} on {peers[rank][0]})" if peers and self._parent is None else ""
 
     def _log(self, text: str) -> None:
         if self._debug:
@@ -373,6 +441,28 @@ class _SharedState:
         self.waiting_for = ""
         self.wait_started = 0.0
         self.replies: list = []
+        self.peers: list[tuple[str, int]] = []  # every world rank's (host, pid)
+        self.last_asked = -float("inf")  # when another rank last asked for this one's status
+        self.dead_since = 0.0
+
+    def someone_reporting(self, now: float) -> bool:
+        """Whether another rank is writing a stall report (it asked this one lately): one report, not one per rank."""
+        return now - self.last_asked < _REPORT_GRACE_S + 5.0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this host) exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): it exists
 
 
 def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:

@@ -9,7 +9,7 @@ keras_pipe prints the error prefixed with the failing rank and calls
 non-zero exit code.
 
 A :class:`~keras_pipe.errors.CollectiveError` is raised alike on every rank
-(a bad ``balance``, say): each rank prints its own message and exits
+(a bad ``balance``, say): rank 0 prints it, once, and every rank exits
 normally with status 1, no abort needed.
 """
 
@@ -35,10 +35,7 @@ FORWARD_GRACE_S = 1.0
 def describe_failure(error: BaseException, where: str) -> str:
     comm = MPI.COMM_WORLD
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    return (
-        f"[keras_pipe] rank {comm.Get_rank()} of {comm.Get_size()} (pid {os.getpid()}) failed in {where}: "
-        f"{type(error).__name__}: {error}\n{text}"
-    )
+    return f"[keras_pipe] rank {comm.Get_rank()} of {comm.Get_size()} (pid {os.getpid()}) failed in {where}:\n{text}"
 
 
 def abort(error: BaseException, where: str) -> None:
@@ -97,9 +94,11 @@ def install_excepthook() -> None:
 
     def hook(kind, error, tb):
         if isinstance(error, CollectiveError):
-            sys.stderr.write(f"[keras_pipe] rank {MPI.COMM_WORLD.Get_rank()}: ")
-            previous(kind, error, tb)
-            sys.stderr.flush()
+            # raised alike on every rank: said once, by rank 0, not interleaved once per rank
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                sys.stderr.write(f"[keras_pipe] every rank of {MPI.COMM_WORLD.Get_size()} raised this error:\n")
+                previous(kind, error, tb)
+                sys.stderr.flush()
             return
         abort(error, "the script")
 

@@ -31,7 +31,7 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
             raise ValueError(f"{filepath} holds a {type(loaded).__name__}; keras_pipe loads Sequential models")
         return loaded
 
-    sequential = on_root(comm, read, f"load {filepath}")
+    sequential = on_root(comm, read, f"load {filepath}", reading=filepath)
     description = comm.bcast_json(_summary_of(sequential) if comm.rank == ROOT else None, root=ROOT)
     with keras.saving.custom_object_scope(custom_objects or {}):
         layers = [keras.saving.deserialize_keras_object(c, safe_mode=safe_mode) for c in description["layers"]]

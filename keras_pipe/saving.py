@@ -14,6 +14,8 @@ no per-stage shards.
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 
@@ -21,6 +23,7 @@ from keras_pipe import partition
 from keras_pipe.comm import TAG_STATE, Communicator
 from keras_pipe.errors import PipelineIOError
 from keras_pipe.failure import collective
+from keras_pipe.files import atomic_path, describe_unreadable
 from keras_pipe.weights import copy_from_first_replica
 
 ROOT = 0
@@ -65,14 +68,17 @@ def scatter_from_root(comm: Communicator, per_rank: list[list[np.ndarray]] | Non
     return [comm.recv_exact(ROOT, TAG_STATE, tuple(shape), dtype) for shape, dtype in shapes[comm.rank]]
 
 
-def on_root(comm: Communicator, action, what: str):
-    """Runs ``action`` on rank 0; if it fails, every rank raises the same error."""
+def on_root(comm: Communicator, action, what: str, reading=None):
+    """Runs ``action`` on rank 0; if it fails, every rank raises the same error.
+
+    ``reading``: the file ``action`` reads, so that the error says what is wrong with it.
+    """
     result, error = None, None
     if comm.rank == ROOT:
         try:
             result = action()
         except Exception as failure:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(failure).__name__}: {failure}"
+            error = describe_unreadable(reading, failure) if reading else f"{type(failure).__name__}: {failure}"
     error = comm.bcast_json(error, root=ROOT)
     if error is not None:
         raise PipelineIOError(f"rank 0 could not {what}: {error}")
@@ -216,6 +222,30 @@ def _load_pipeline(model, sequential: keras.Sequential | None) -> None:
     )
 
 
+def write_weights(model, filepath, overwrite: bool = True, finish=None, **kwargs) -> None:
+    """``model.save_weights`` (collective); ``finish(path)`` runs on rank 0 on the complete file before its rename."""
+    sequential = model.to_sequential()
+
+    def write(temporary):
+        sequential.save_weights(temporary, **kwargs)
+        if finish is not None:
+            finish(temporary)
+
+    on_root(model.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save weights to {filepath}")
+
+
+def write_atomically(filepath, overwrite: bool, write) -> None:
+    """``write(path)`` to a partial file beside ``filepath``, renamed over it once complete (see :mod:`files`).
+
+    With ``overwrite=False`` an existing file is an error: Keras would ask on
+    the terminal, which a rank of an MPI job cannot answer.
+    """
+    if not overwrite and os.path.exists(filepath):
+        raise FileExistsError(f"{filepath} exists and overwrite=False; pass overwrite=True to replace it")
+    with atomic_path(filepath) as temporary:
+        write(temporary)
+
+
 class SavingMethods:
     """``PipelineModel``'s saving and loading methods (a mixin; every one is collective)."""
 
@@ -234,20 +264,19 @@ class SavingMethods:
         any number of ranks.
         """
         sequential = self.to_sequential()
-        arguments = dict(kwargs, overwrite=overwrite)
+        arguments = dict(kwargs)
         if zipped is not None:
             arguments["zipped"] = zipped
-        on_root(self.engine.world, lambda: sequential.save(filepath, **arguments), f"save {filepath}")
+
+        def write(temporary):
+            sequential.save(temporary, **arguments)
+
+        on_root(self.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save {filepath}")
 
     @collective
     def save_weights(self, filepath, overwrite: bool = True, **kwargs) -> None:
         """Writes the whole model's weights (and optimizer state) to one ``.weights.h5`` file, from rank 0."""
-        sequential = self.to_sequential()
-        on_root(
-            self.engine.world,
-            lambda: sequential.save_weights(filepath, overwrite=overwrite, **kwargs),
-            f"save weights to {filepath}",
-        )
+        write_weights(self, filepath, overwrite, **kwargs)
 
     @collective
     def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
@@ -259,4 +288,4 @@ class SavingMethods:
             sequential.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
             return sequential
 
-        load_into(self, on_root(self.engine.world, read, f"load weights from {filepath}"))
+        load_into(self, on_root(self.engine.world, read, f"load weights from {filepath}", reading=filepath))

@@ -17,6 +17,7 @@ Example (on every rank):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from keras_pipe.comm import Communicator
@@ -38,10 +39,11 @@ class Topology:
 def connect(num_stages: int | None = None, stall_timeout: float | None = None) -> Topology:
     """Lays out ``MPI.COMM_WORLD`` as replicas of ``num_stages``-stage pipelines (collective)."""
     world = Communicator(stall_timeout=stall_timeout)
-    mine = [host_name(), num_stages]
+    mine = [host_name(), num_stages, os.getpid()]
     everyone = world.allgather_json(mine) if world.size > 1 else [mine]
-    check_same_num_stages([stages for _, stages in everyone])
-    layout = Layout.from_hosts([host for host, _ in everyone], num_stages)
+    world.set_peers([(host, pid) for host, _, pid in everyone])
+    check_same_num_stages([stages for _, stages, _ in everyone])
+    layout = Layout.from_hosts([host for host, _, _ in everyone], num_stages)
     replica, stage = layout.replica_of(world.rank), layout.stage_of(world.rank)
     one_pipeline = layout.num_replicas == 1 and layout.pipelines[0] == list(range(world.size))
     return Topology(

@@ -19,3 +19,22 @@ def test_backup_and_restore_resumes_a_killed_run(tmp_path, nprocs):
     resumed = run_mpi(nprocs, "backup.py", str(tmp_path), "resume", timeout=180)
     assert resumed.returncode == 0, resumed.output
     assert resumed.output.count("RESUMED OK") == nprocs, resumed.output
+
+
+def test_backup_and_restore_killed_while_writing_its_backup_resumes_from_the_last_good_one(tmp_path):
+    killed = run_mpi(2, "backup.py", str(tmp_path), "kill-in-backup", timeout=180)
+    assert killed.returncode != 0, killed.output
+    backup = tmp_path / "backup"
+    assert any("partial" in p.name for p in backup.iterdir()), f"not killed mid-write: {sorted(backup.iterdir())}"
+    resumed = run_mpi(2, "backup.py", str(tmp_path), "resume", timeout=180)
+    assert resumed.returncode == 0, resumed.output
+    assert resumed.output.count("RESUMED OK") == 2, resumed.output
+
+    # a backup damaged by other means is reported once, with its path, and how to go on
+    assert run_mpi(2, "backup.py", str(tmp_path), "kill-in-backup", timeout=180).returncode != 0
+    weights = backup / "latest.weights.h5"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    damaged = run_mpi(2, "backup.py", str(tmp_path), "resume", timeout=180)
+    assert damaged.returncode != 0, damaged.output
+    assert damaged.output.count(f"the backup in {backup} cannot be read") == 1, damaged.output
+    assert "written only in part" in damaged.output and "Delete" in damaged.output, damaged.output

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from mpi import SCRIPTS, run_mpi
 
 
@@ -21,3 +22,28 @@ def test_save_on_four_ranks_resume_on_two_and_open_in_plain_keras(tmp_path):
     resumed = run_mpi(2, "saving.py", str(tmp_path), "resume", timeout=240)
     assert resumed.returncode == 0, resumed.output
     assert resumed.output.count("RESUMED rank") == 2
+
+
+def test_a_save_that_fails_part_way_leaves_the_previous_file_loadable(tmp_path):
+    launch = run_mpi(2, "save_faults.py", str(tmp_path), "errors", timeout=240)
+    assert launch.returncode == 0, launch.output
+    assert launch.output.count("SAVE FAULTS OK") == 2, launch.output
+    for what in ("an exception part way", "a full disk"):
+        assert f"PREVIOUS FILES INTACT after {what}" in launch.output, launch.output
+
+
+@pytest.mark.parametrize("target", ["model", "weights"])
+def test_killing_rank_0_while_it_saves_leaves_the_previous_file(tmp_path, target):
+    killed = run_mpi(2, "save_faults.py", str(tmp_path), "kill", target, timeout=240)
+    assert killed.returncode != 0, killed.output
+    assert "the save completed" not in killed.output, killed.output
+    partial = [p.name for p in tmp_path.iterdir() if "partial" in p.name]
+    assert partial, f"rank 0 was not killed in the middle of its write: {sorted(tmp_path.iterdir())}"
+    plain = subprocess.run(
+        [sys.executable, str(SCRIPTS / "plain_check.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=SCRIPTS,
+    )
+    assert "PREVIOUS FILES LOAD IN PLAIN KERAS" in plain.stdout, plain.stdout + plain.stderr

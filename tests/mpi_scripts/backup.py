@@ -1,12 +1,17 @@
 """BackupAndRestore: a run killed mid-epoch, started again, ends as an uninterrupted run.
 
-Usage: backup.py TMPDIR crash|resume.
+Usage: backup.py TMPDIR crash|kill-in-backup|resume.
+
+``crash``: rank 1 raises in epoch 2. ``kill-in-backup``: rank 0 is killed
+(SIGKILL) in the middle of writing the backup at the end of epoch 2; the last
+good backup (end of epoch 1) is kept, so ``resume`` still ends as an
+uninterrupted run.
 """
 
 import sys
 
 import keras
-from common import RANK, assert_close, compile_args, data, layers
+from common import RANK, SaveFault, assert_close, compile_args, data, layers
 
 from keras_pipe import PipelineModel
 
@@ -17,16 +22,25 @@ x, y, sw = data(n=203)
 class Crash(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+        if mode == "kill-in-backup" and epoch == 2 and RANK == 0:
+            SaveFault.armed = "kill"  # the backup written at the end of this epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if mode == "crash" and self.epoch == 2 and batch == 3 and RANK == 1:
             raise RuntimeError("simulated crash on rank 1")
 
 
+def chain():
+    """``layers()`` with a second Dense that can fail while its weights are written (the same math)."""
+    items = layers()
+    items[2] = SaveFault(16, activation="tanh")
+    return items
+
+
 keras.utils.set_random_seed(5)
-reference = keras.Sequential(layers())
+reference = keras.Sequential(chain())
 initial = reference.get_weights()
-model = PipelineModel(layers(), num_microbatches=2)
+model = PipelineModel(chain(), num_microbatches=2)
 model.set_weights(initial)
 model.compile(**compile_args())
 backup = keras.callbacks.BackupAndRestore(f"{tmp}/backup")

@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import signal  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -62,3 +64,27 @@ def compile_args(jit_compile=False):
 
 def assert_close(actual, expected, what, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=f"rank {RANK}: {what}")
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class SaveFault(keras.layers.Dense):
+    """A ``Dense`` whose weights' write raises, or kills this process, once armed (class-wide: saving copies layers)."""
+
+    armed = None  # None, "raise" or "kill"
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if SaveFault.armed == "raise":
+            raise RuntimeError("a layer failed while its weights were written")
+        if SaveFault.armed == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_fault_chain():
+    """Three Dense layers (the middle one a :class:`SaveFault`), large enough that a write takes a while."""
+    return [
+        keras.Input((12,)),
+        keras.layers.Dense(256, activation="relu"),
+        SaveFault(256, activation="relu"),
+        keras.layers.Dense(3, activation="softmax"),
+    ]
