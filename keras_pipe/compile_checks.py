@@ -26,20 +26,6 @@ def check_model(model) -> None:
             "on the last stage from the compiled loss, so an override would be ignored. Pass the loss to "
             "compile() instead (a keras.losses.Loss subclass can hold custom logic)."
         )
-    for layer in [model, *model.layers]:
-        policy = layer.dtype_policy
-        if policy.compute_dtype != policy.variable_dtype:
-            raise refuse(
-                f"mixed precision ({policy.name!r} on {layer.name!r}) is not supported yet: its equivalence with "
-                "Sequential is not tested, and float16 needs one loss scale shared by all stages. Use the "
-                "default float32 policy."
-            )
-    optimizer = model.optimizer
-    if optimizer is not None and getattr(optimizer, "global_clipnorm", None):
-        raise refuse(
-            f"optimizer global_clipnorm={optimizer.global_clipnorm}: the global norm spans every stage's "
-            "gradients, which no rank holds. Use clipnorm (per weight) or clipvalue instead."
-        )
     if model.loss is not None:
         loss_reduction(model.loss)  # raises for what cannot be split into micro-batches
 

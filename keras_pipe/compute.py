@@ -224,7 +224,9 @@ class StageCompute:
         self.gradients.add(grads)
         return dx
 
-    def weights(self, microbatches, activity_scale: float, regularize: bool, optimizer=None) -> None:
+    def weights(
+        self, microbatches, activity_scale: float, regularize: bool, optimizer=None, loss_scale: float = 1.0
+    ) -> None:
         """``W`` over ``microbatches``: adds their weight gradients (and, if ``regularize``, the weight regularizers').
 
         With an ``optimizer`` (the step's last ``W`` and no replica to wait
@@ -240,7 +242,7 @@ class StageCompute:
         grads = [[p[1][k] for p in parts] for k in range(len(parts[0][1]))]
         weighted = [k for k, s in enumerate(self.steps) if s.variables]
 
-        def weight_grads(inputs, grads, activity_scale):
+        def weight_grads(inputs, grads, activity_scale, loss_scale):
             full_in, full_g = [None] * len(self.steps), [None] * len(self.steps)
             for position, k in enumerate(weighted):
                 full_in[k], full_g[k] = inputs[position], grads[position]
@@ -248,35 +250,35 @@ class StageCompute:
             if regularize:
                 regularizers = self._regularization_gradients()
                 result = [
-                    tf.convert_to_tensor(g) + r if v.regularizer is not None else g
+                    tf.convert_to_tensor(g) + r * tf.cast(loss_scale, r.dtype) if v.regularizer is not None else g
                     for g, r, v in zip(result, regularizers, self.trainable_variables)
                 ]
             return result
 
-        scale = tf.constant(activity_scale)
+        scales = (tf.constant(activity_scale, tf.float32), tf.constant(loss_scale, tf.float32))
         if optimizer is not None and self.gradients.empty:
 
-            def weights_and_update(inputs, grads, activity_scale):
-                optimizer.apply(weight_grads(inputs, grads, activity_scale), self.trainable_variables)
+            def weights_and_update(inputs, grads, activity_scale, loss_scale):
+                optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), self.trainable_variables)
 
-            self._program(("weights_update", id(optimizer), regularize), weights_and_update)(inputs, grads, scale)
+            self._program(("weights_update", id(optimizer), regularize), weights_and_update)(inputs, grads, *scales)
             return
-        result = self._program(("weights", regularize), weight_grads)(inputs, grads, scale)
+        result = self._program(("weights", regularize), weight_grads)(inputs, grads, *scales)
         self.gradients.add(result)
         if optimizer is not None:
             self.apply(optimizer)
 
     # -- the end of a step ----------------------------------------------------
 
-    def add_regularization(self) -> tf.Tensor:
-        """Adds the weight regularizers' gradients (recorded backward); returns their loss."""
+    def add_regularization(self, loss_scale: float = 1.0) -> tf.Tensor:
+        """Adds the weight regularizers' gradients (recorded backward), times ``loss_scale``; returns their loss."""
 
-        def regularization():
+        def regularization(loss_scale):
             with tf.GradientTape() as tape:
                 loss = self._regularization_loss()
-            return loss, tape.gradient(loss, self.trainable_variables)
+            return loss, tape.gradient(loss * loss_scale, self.trainable_variables)
 
-        loss, grads = self._program("regularization_gradients", regularization)()
+        loss, grads = self._program("regularization_gradients", regularization)(tf.constant(loss_scale, tf.float32))
         self.gradients.add(
             [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
         )
@@ -301,8 +303,11 @@ class StageCompute:
         grads = tape.gradient(loss, handles)
         return [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
 
-    def apply(self, optimizer, grads=None) -> None:
-        """One optimizer step with ``grads`` (summed over replicas) or this step's summed gradients."""
+    def apply(self, optimizer, grads=None, scale: float | None = None) -> None:
+        """One optimizer step with ``grads`` (summed over replicas) or this step's summed gradients.
+
+        ``scale``: multiplies every gradient first (the whole model's ``global_clipnorm``).
+        """
         if not self.trainable_variables:
             return
         given = grads is not None
@@ -311,14 +316,36 @@ class StageCompute:
         def update(*grads):
             optimizer.apply(list(grads), self.trainable_variables)
 
-        self._program(("apply", id(optimizer)), update)(*grads)
+        def scaled_update(scale, *grads):
+            optimizer.apply([_scaled(g, scale) for g in grads], self.trainable_variables)
+
+        if scale is None:
+            self._program(("apply", id(optimizer)), update)(*grads)
+        else:
+            self._program(("scaled_apply", id(optimizer)), scaled_update)(tf.constant(scale, tf.float32), *grads)
         self.gradients.reset()
+
+    def squared_norm(self, grads) -> float:
+        """The sum of the squares of ``grads`` (this stage's share of the whole model's gradient norm)."""
+        if not grads:
+            return 0.0
+
+        def squares(*grads):  # in float64: a large loss scale must not overflow the sum
+            return tf.add_n([tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float64))) for g in grads])
+
+        return float(self._program("squared_norm", squares)(*grads))
 
     def forget_step(self) -> None:
         """Drops whatever a step left behind (after an error, or a replica with no share)."""
         self._kept.clear()
         self._for_weights.clear()
         self.gradients.reset()
+
+
+def _scaled(grad, scale):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(scale, grad.dtype)
 
 
 def _weighted(loss, activity, scales):

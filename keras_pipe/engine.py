@@ -120,7 +120,10 @@ class Engine:
         self.compute = StageCompute(own, is_first=self.is_first, jit=self.jit, eager=self.eager)
         links = Links(self.pipeline, (x.shape, x.dtype), (out.shape, out.dtype)) if self.num_stages > 1 else None
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
-        self.executor = Executor(self.compute, links, reducer, self.is_first, self.is_last, self.world, self.where)
+        pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
+        self.executor = Executor(
+            self.compute, links, reducer, self.is_first, self.is_last, self.world, self.where, pipeline_sum
+        )
         self.executor.tracer = self._tracer
         return own
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -67,12 +68,15 @@ class Executor:
         is_first, is_last: the stage's place in the pipeline.
         status: an object whose ``doing`` attribute stall reports read (the world communicator).
         where: how this rank's place is named in those reports.
+        pipeline_sum: sums a float64 vector over the stages of this pipeline (the whole
+            model's gradient norm, the loss scale's finiteness check); identity with one stage.
     """
 
-    def __init__(self, compute, links, reducer, is_first: bool, is_last: bool, status, where: str):
+    def __init__(self, compute, links, reducer, is_first: bool, is_last: bool, status, where: str, pipeline_sum=None):
         self.compute = compute
         self.links = links
         self.reducer = reducer
+        self.pipeline_sum = pipeline_sum or (lambda values: values)
         self.is_first = is_first
         self.is_last = is_last
         self.status = status
@@ -80,6 +84,7 @@ class Executor:
         self.tracer = None
         self.step = 0
         self._last_weights = -1  # position of the step's last W action (it may apply the update)
+        self._loss_scale = 1.0  # every gradient of a training step is multiplied by it (mixed_float16)
         self._handlers = {
             Kind.FORWARD: self._forward,
             Kind.FORWARD_BACKWARD: self._forward_backward,
@@ -92,6 +97,7 @@ class Executor:
     def run(self, actions: list[Action], batch: Batch) -> StepResult:
         """Runs ``actions`` on ``batch``, then ends the step (update when training)."""
         result = StepResult(predictions=[None] * len(batch.bounds))
+        self._loss_scale = loss_scale(batch.optimizer) if batch.phase == "train" else 1.0
         self._last_weights = max((p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT), default=-1)
         try:
             self._count_regularization(batch, result, before_actions=True)
@@ -140,9 +146,9 @@ class Executor:
         x = self._input(batch, i)
         began = time.perf_counter()
         loss, y_pred, dx = self.compute.forward_backward(
-            i, batch.loss_fn, x, *self._targets(batch, i), self._scales(batch, i)
+            i, batch.loss_fn, x, *self._targets(batch, i), self._scales(batch, i) * self._loss_scale
         )
-        result.loss_part += float(loss)
+        result.loss_part += float(loss) / self._loss_scale
         result.predictions[i] = y_pred
         self._span("forward+backward", i, began)
         self._send_gradient(dx, i)
@@ -154,7 +160,7 @@ class Executor:
         grad = self.links.receive_gradient(stop - start)
         self._span("receive gradient", i, began)
         began = time.perf_counter()
-        dx = self.compute.backward(i, grad, (stop - start) / batch.batch_size)
+        dx = self.compute.backward(i, grad, (stop - start) / batch.batch_size * self._loss_scale)
         self._span("backward", i, began)
         self._send_gradient(dx, i)
 
@@ -164,9 +170,10 @@ class Executor:
         final = position == self._last_weights
         self.compute.weights(
             action.microbatches,
-            rows / batch.batch_size,
+            rows / batch.batch_size * self._loss_scale,
             regularize=final and batch.regularize,
-            optimizer=batch.optimizer if final and self.reducer is None else None,
+            loss_scale=self._loss_scale,
+            optimizer=batch.optimizer if final and self.reducer is None and not _needs_whole_model(batch) else None,
         )
         if self.tracer is not None and self.compute.trainable_variables:
             self.compute.trainable_variables[0].numpy()  # wait for it, so that the span shows its cost
@@ -178,7 +185,11 @@ class Executor:
         compute = self.compute
         training = batch.phase == "train"
         self._count_regularization(batch, result, before_actions=False)
-        if not training or not compute.trainable_variables:
+        if not training:
+            return
+        if not compute.trainable_variables:
+            if _needs_whole_model(batch):
+                self.pipeline_sum(np.zeros(1))  # this stage's share of the norm: none, but the others wait for it
             return
         applied = self._last_weights >= 0 and self.reducer is None and compute.gradients.empty
         if applied:
@@ -189,9 +200,15 @@ class Executor:
             began = time.perf_counter()
             summed = self.reducer.sum(compute.gradients.result())
             self._span("allreduce", -1, began)
+        scale = None
+        if _needs_whole_model(batch):
+            summed = summed if summed is not None else compute.gradients.result()
+            self.status.doing = f"train step {self.step}, {self.where}: the whole model's gradient norm"
+            squares = self.pipeline_sum(np.array([compute.squared_norm(summed)], np.float64))[0]
+            scale = whole_model_scale(batch.optimizer, squares, self._loss_scale)
         self.status.doing = f"train step {self.step}, {self.where}: optimizer update"
         began = time.perf_counter()
-        compute.apply(batch.optimizer, summed)
+        compute.apply(batch.optimizer, summed, scale)
         if self.tracer is not None:
             compute.trainable_variables[0].numpy()
         self._span("optimizer", -1, began)
@@ -207,7 +224,11 @@ class Executor:
             return
         recorded_training = batch.phase == "train" and not self.compute.split
         if before_actions != recorded_training:
-            loss = self.compute.regularization_loss() if before_actions else self.compute.add_regularization()
+            loss = (
+                self.compute.regularization_loss()
+                if before_actions
+                else self.compute.add_regularization(self._loss_scale)
+            )
             result.loss_part += float(loss)
 
     # -- helpers -------------------------------------------------------------------
@@ -265,3 +286,54 @@ _NAMES = {
     Kind.FORWARD_BACKWARD: "forward and backward",
     Kind.FORWARD_INPUT: "forward and input gradient",
 }
+
+
+def _needs_whole_model(batch: Batch) -> bool:
+    """Whether the update needs the whole model's gradient first: no fused W+update then.
+
+    ``global_clipnorm`` needs its norm; a ``LossScaleOptimizer`` (``mixed_float16``)
+    needs to know whether every stage's gradients are finite, so that every stage
+    applies the step, or every stage skips it and lowers the scale.
+    """
+    optimizer = batch.optimizer
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or bool(_global_clipnorm(optimizer))
+
+
+def _global_clipnorm(optimizer):
+    return getattr(getattr(optimizer, "inner_optimizer", optimizer), "global_clipnorm", None)
+
+
+def loss_scale(optimizer) -> float:
+    """What the optimizer multiplies the loss by before gradients are taken (``mixed_float16``'s loss scale)."""
+    if not hasattr(optimizer, "scale_loss"):
+        return 1.0
+    return float(optimizer.scale_loss(tf.constant(1.0, tf.float32)))
+
+
+def whole_model_scale(optimizer, squared_norm: float, loss_scale: float) -> float:
+    """What this stage's gradients are multiplied by before its optimizer sees them.
+
+    NaN when any stage's gradients are not finite (so that a loss-scale optimizer
+    skips the step and lowers its scale on every stage, as it does for the whole
+    model); else the ``global_clipnorm`` factor of the whole model's (unscaled)
+    norm, or 1.
+    """
+    if not np.isfinite(squared_norm):
+        return float("nan")
+    clipnorm = _global_clipnorm(optimizer)
+    return clip_scale(squared_norm / loss_scale**2, clipnorm) if clipnorm else 1.0
+
+
+def clip_scale(squared_norm: float, clipnorm: float) -> float:
+    """What every gradient is multiplied by so that the whole model's norm is at most ``clipnorm``.
+
+    As Keras' ``clip_by_global_norm``: ``clipnorm / max(norm, clipnorm)``, and
+    NaN when the norm is (so that a non-finite gradient stays non-finite).
+
+    >>> clip_scale(16.0, 2.0), clip_scale(1.0, 2.0)
+    (0.5, 1.0)
+    """
+    norm = float(np.sqrt(squared_norm))
+    if not np.isfinite(norm):
+        return float("nan")
+    return clipnorm / max(norm, clipnorm)

@@ -49,7 +49,7 @@ def assign(engine, weights: Sequence[np.ndarray]) -> None:
     offset = engine.weight_offset()
     mine = engine.stage_weights()
     for index, (_, dtype) in enumerate(shapes):
-        value = np.ascontiguousarray(weights[index], dtype=dtype)
+        value = np.array(weights[index], dtype=dtype)  # (ascontiguousarray makes a scalar 1-d)
         if engine.world.size > 1:
             value = engine.world.bcast_array(value, root=0)
         if offset <= index < offset + len(mine):

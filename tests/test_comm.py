@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 from mpi import run_mpi
 
 
@@ -14,3 +15,15 @@ def test_waiting_ten_seconds_costs_well_under_a_second_of_cpu():
     wall, cpu = map(float, re.search(r"WAITED wall ([0-9.]+) s cpu ([0-9.]+) s", launch.output).groups())
     assert wall > 9, launch.output
     assert cpu < 0.5, f"a waiting rank used {cpu:.2f} s of CPU in {wall:.1f} s"
+
+
+def test_the_stall_timeout_from_the_environment_is_checked_naming_the_variable():
+    from keras_pipe.comm import DEFAULT_STALL_TIMEOUT, stall_timeout_from_env
+    from keras_pipe.errors import PipelineConfigError
+
+    assert stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "30"}) == 30.0
+    assert stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "inf"}) == float("inf")
+    assert stall_timeout_from_env(environ={}) == DEFAULT_STALL_TIMEOUT
+    for bad in ("0", "-5", "abc", "nan"):
+        with pytest.raises(PipelineConfigError, match=f"KERAS_PIPE_STALL_TIMEOUT='{bad}': give the seconds"):
+            stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": bad})

@@ -34,10 +34,10 @@ class FakeCompute:
         self.log.append(f"{'I' if self.split else 'B'}{i}")
         return np.zeros(1)
 
-    def weights(self, microbatches, scale, regularize, optimizer):
+    def weights(self, microbatches, scale, regularize, optimizer, loss_scale=1.0):
         self.log.append(f"W{'-'.join(map(str, microbatches))}" + ("+update" if optimizer else ""))
 
-    def apply(self, optimizer, grads=None):
+    def apply(self, optimizer, grads=None, scale=None):
         self.log.append("update")
 
     def forget_step(self):

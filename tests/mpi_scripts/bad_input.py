@@ -99,18 +99,12 @@ def compile_with(**options):
     return build
 
 
-case("global_clipnorm", compile_with(optimizer=keras.optimizers.Adam(global_clipnorm=1.0)))
 case("loss without reduction", compile_with(loss=keras.losses.SparseCategoricalCrossentropy(reduction=None)))
 case("several losses", compile_with(loss=["mse", "mse"]))
 
 
-def mixed():
-    chain = layers()
-    chain[1] = keras.layers.Dense(16, activation="relu", dtype="mixed_float16")
-    return compiled(chain)
-
-
-case("mixed_float16", mixed)
+case("stall_timeout", lambda: PipelineModel(layers(), stall_timeout=0))
+case("stall_timeout not a number", lambda: PipelineModel(layers(), stall_timeout="abc"))
 
 
 class OwnLoss(PipelineModel):

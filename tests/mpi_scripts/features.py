@@ -1,0 +1,150 @@
+"""The models people pipeline, each against keras.Sequential on the same weights and data.
+
+Run as ``mpirun -n P python features.py [CASE ...]``; prints ``FEATURE OK <case>``
+per rank and case. Cases: ``clipnorm`` (global_clipnorm that clips, one pipeline),
+``clipnorm-replicas`` (the same, 2 stages x P/2 replicas), ``bfloat16``,
+``float16`` (mixed precision with loss scaling), ``float16-overflow`` (a step whose
+gradients overflow on stage 0 only is skipped on every stage).
+"""
+
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+from common import RANK, SIZE, assert_close, data
+
+from keras_pipe import PipelineModel
+
+x, y, sw = data(n=96)
+fit_args = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
+
+
+def mlp():
+    return [
+        keras.Input((12,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(3, activation="softmax", dtype="float32"),
+    ]
+
+
+def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), **pipeline_args):
+    keras.utils.set_random_seed(3)
+    reference = keras.Sequential(chain())
+    initial = reference.get_weights()
+    reference.compile(**compile_args())
+    expected = reference.fit(x, y, sample_weight=sw, **fit_args).history
+    model = PipelineModel(chain(), **pipeline_args)
+    model.set_weights(initial)
+    model.compile(**compile_args())
+    history = model.fit(x, y, sample_weight=sw, **fit_args).history
+    rtol, atol = tolerance
+    for key in expected:
+        assert_close(history[key], expected[key], f"{case} history {key}", rtol, atol)
+    for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
+        assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), f"{case} weight {i}", rtol, atol)
+    steps = (int(model.optimizer.iterations), int(reference.optimizer.iterations))
+    assert steps[0] == steps[1] > 0, f"{case}: optimizer steps {steps}"
+    print(f"FEATURE OK {case} rank {RANK}", flush=True)
+    return reference, initial
+
+
+def clipnorm(case):
+    def sgd():
+        return dict(optimizer=keras.optimizers.SGD(0.5, global_clipnorm=0.05), loss="sparse_categorical_crossentropy")
+
+    stages = {"clipnorm": None, "clipnorm-replicas": 2}[case]
+    reference, initial = compare(case, mlp, sgd, num_microbatches=2, num_stages=stages)
+    # the norm clipped: the first batch's gradient is longer than the limit
+    probe = keras.Sequential(mlp())
+    probe.set_weights(initial)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.sparse_categorical_crossentropy(y[:32], probe(x[:32]))
+        loss = tf.reduce_mean(loss * sw[:32])
+    norm = float(tf.linalg.global_norm(tape.gradient(loss, probe.trainable_variables)))
+    assert norm > 0.05 * 2, f"the gradient norm {norm} does not exceed global_clipnorm: nothing was clipped"
+
+
+def precision(case):
+    policy = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}[case]
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        # SGD: an update proportional to the gradient keeps differences at the dtype's precision (Adam's
+        # near-sign update turns a rounding difference in a tiny gradient into a whole step)
+        def sgd():
+            return dict(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+
+        # micro-batches sum their gradients in another order: equal to the dtype's precision
+        epsilon = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[case]
+        compare(case, mlp, sgd, tolerance=(4 * epsilon, 4 * epsilon), num_microbatches=2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+class OverflowOnce(keras.layers.Layer):
+    """Passes its input on; its weight's gradient overflows float16 while ``trigger`` is set (0 otherwise)."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer="zeros", name="w")
+        self.trigger = self.add_weight(shape=(), initializer="zeros", trainable=False, name="trigger")
+
+    def call(self, x):
+        # (w * 1e4) * trigger: the gradient of w is sum(dy * trigger) * 1e4, zero while trigger is 0
+        return x + (self.w * tf.constant(1e4, x.dtype)) * tf.cast(self.trigger, x.dtype)
+
+
+class Trigger(keras.callbacks.Callback):
+    """Makes the second batch's gradient overflow, on whichever rank holds the layer."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        for layer in self.model.layers:
+            if isinstance(layer, OverflowOnce) and layer.built:
+                layer.trigger.assign(1.0 if batch == 1 else 0.0)
+
+
+def overflow(case):
+    """With mixed_float16, a step whose gradients overflow on stage 0 only is skipped on every stage."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+
+        def chain():
+            return [mlp()[0], OverflowOnce(), *mlp()[1:]]
+
+        def sgd():
+            return dict(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+
+        keras.utils.set_random_seed(3)
+        reference = keras.Sequential(chain())
+        initial = reference.get_weights()
+        reference.compile(**sgd())
+        args = dict(fit_args, epochs=1, callbacks=[Trigger()])
+        reference.fit(x, y, **args)
+        model = PipelineModel(chain(), num_microbatches=2)
+        model.set_weights(initial)
+        model.compile(**sgd())
+        model.fit(x, y, **args)
+        scale = float(model.optimizer.dynamic_scale.numpy())
+        expected_scale = float(reference.optimizer.dynamic_scale.numpy())
+        steps = (int(model.optimizer.iterations), int(reference.optimizer.iterations))
+        assert scale == expected_scale == 2.0**14, (RANK, scale, expected_scale)  # halved once, from 2**15
+        assert steps == (2, 2), f"one of 3 steps skipped: {steps}"
+        for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
+            assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), f"{case} weight {i}", 2e-3, 2e-3)
+        print(f"FEATURE OK {case} rank {RANK}", flush=True)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+CASES = {
+    "clipnorm": clipnorm,
+    "clipnorm-replicas": clipnorm,
+    "bfloat16": precision,
+    "float16": precision,
+    "float16-overflow": overflow,
+}
+for name in sys.argv[1:] or list(CASES):
+    if name == "clipnorm-replicas" and SIZE % 2:
+        continue
+    CASES[name](name)

@@ -1,0 +1,14 @@
+"""What large models need, each equal to keras.Sequential under real mpirun (see mpi_scripts/features.py)."""
+
+import pytest
+from mpi import run_mpi
+
+CASES = ["clipnorm", "clipnorm-replicas", "bfloat16", "float16", "float16-overflow"]
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_features_equal_sequential(nprocs):
+    launch = run_mpi(nprocs, "features.py", *CASES, timeout=600)
+    assert launch.returncode == 0, launch.output
+    for case in CASES:
+        assert launch.output.count(f"FEATURE OK {case} ") == nprocs, (case, launch.output)
