@@ -23,12 +23,14 @@ from keras_pipe.errors import (
 from keras_pipe.loading import load_model
 from keras_pipe.model import PipelineModel
 from keras_pipe.runtime import init
+from keras_pipe.devices import try_configure_gpus as _configure_gpus
 from keras_pipe.threads import configure_threads as _configure_threads
 
-# Before the script creates any tensor: TensorFlow's pools can only be sized
-# before its first op. No MPI call: the launcher's environment says how many
-# ranks share this host.
+# Before the script creates any tensor: TensorFlow's pools can only be sized,
+# and its GPUs chosen, before its first op. No MPI call: the launcher's
+# environment says how many ranks share this host, and which one this is.
 _configure_threads(warn=False)
+_configure_gpus()
 
 __version__ = "0.2.0"
 

@@ -31,6 +31,7 @@ from keras_pipe.logs import LogSharing
 from keras_pipe.microbatch import microbatch_bounds, replica_bounds
 from keras_pipe.profile import balance_by_time
 from keras_pipe.runtime import init, start_entry_agreement
+from keras_pipe.devices import check_all_ranks, try_configure_gpus
 from keras_pipe.threads import configure_threads
 from keras_pipe.topology import connect
 
@@ -49,8 +50,10 @@ class Engine:
         init()
         topology = connect(num_stages, stall_timeout)
         start_entry_agreement(topology.world)
-        me = topology.layout.hosts[topology.world.rank]
-        configure_threads(ranks_on_host=topology.layout.hosts.count(me))
+        hosts, me = topology.layout.hosts, topology.layout.hosts[topology.world.rank]
+        configure_threads(ranks_on_host=hosts.count(me))
+        try_configure_gpus(local_rank=hosts[: topology.world.rank].count(me), local_size=hosts.count(me))
+        check_all_ranks(topology.world)
         self.world = topology.world
         self.pipeline = topology.pipeline
         self.replicas = topology.replicas
