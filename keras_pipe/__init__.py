@@ -13,6 +13,7 @@ Importing keras_pipe communicates with no other rank (see
 :mod:`keras_pipe.runtime`).
 """
 
+from keras_pipe.devices import try_configure_gpus as _configure_gpus
 from keras_pipe.errors import (
     CollectiveError,
     PipelineConfigError,
@@ -23,7 +24,6 @@ from keras_pipe.errors import (
 from keras_pipe.loading import load_model
 from keras_pipe.model import PipelineModel
 from keras_pipe.runtime import init
-from keras_pipe.devices import try_configure_gpus as _configure_gpus
 from keras_pipe.threads import configure_threads as _configure_threads
 
 # Before the script creates any tensor: TensorFlow's pools can only be sized,

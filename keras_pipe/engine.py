@@ -24,6 +24,7 @@ from keras_pipe import partition, schedule
 from keras_pipe.allreduce import ReplicaReducer
 from keras_pipe.compute import StageCompute
 from keras_pipe.consistency import StepAgreement
+from keras_pipe.devices import check_all_ranks, try_configure_gpus
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.executor import Batch, Executor
 from keras_pipe.links import Links
@@ -31,7 +32,6 @@ from keras_pipe.logs import LogSharing
 from keras_pipe.microbatch import microbatch_bounds, replica_bounds
 from keras_pipe.profile import balance_by_time
 from keras_pipe.runtime import init, start_entry_agreement
-from keras_pipe.devices import check_all_ranks, try_configure_gpus
 from keras_pipe.threads import configure_threads
 from keras_pipe.topology import connect
 
