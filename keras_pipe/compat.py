@@ -169,6 +169,24 @@ def call_concrete(concrete, flat_inputs: list):
 # -- checking ------------------------------------------------------------------------
 
 
+def get_mask(tensor):
+    """The Keras mask a tensor carries, or ``None`` (``keras.src.backend.get_keras_mask``, Keras 3.0-3.15).
+
+    Why: a mask (``Embedding(mask_zero=True)``, ``Masking``) rides on the
+    tensor as an attribute; at a stage boundary it must travel beside it.
+    """
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(tensor)
+
+
+def set_mask(tensor, mask) -> None:
+    """Attaches a Keras mask to a tensor (``keras.src.backend.set_keras_mask``, Keras 3.0-3.15)."""
+    from keras.src.backend import set_keras_mask
+
+    set_keras_mask(tensor, mask)
+
+
 def check() -> None:
     """Raises ``AttributeError`` naming each internal above that this Keras/TensorFlow lacks."""
     layer = keras.layers.Dropout(0.5)
@@ -194,6 +212,7 @@ def check() -> None:
     try:
         _ = file_utils().exists
         global_seed()
+        get_mask(tf.zeros(1))
     except (ImportError, AttributeError) as error:
         missing.append(str(error))
     concrete = tf.function(lambda x: x + 1).get_concrete_function(tf.TensorSpec((), tf.float32))

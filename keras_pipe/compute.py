@@ -97,13 +97,18 @@ class StageCompute:
         eager: run everything op by op (``compile(run_eagerly=True)``).
     """
 
-    def __init__(self, layers, is_first: bool, jit: bool = True, eager: bool = False):
+    def __init__(
+        self, layers, is_first: bool, jit: bool = True, eager: bool = False, masked: bool = False, mask_out=False
+    ):
         self.layers = list(layers)
         self.is_first = is_first
         self.jit = jit
         self.eager = eager
+        self.mask_out = mask_out  # the output's Keras mask goes to the next stage with it
         self.trainable_variables = [v for layer in self.layers for v in layer.trainable_weights]
         reasons = [r for r in map(replay.why_not_replayable, self.layers) if r]
+        if masked:
+            reasons.insert(0, "a Keras mask travels through the stage")
         self.split = not reasons
         self.why_recorded = reasons[0] if reasons else None
         self.steps = replay.steps_of(self.layers) if self.split else []
@@ -136,20 +141,26 @@ class StageCompute:
         tape = tf.GradientTape()
         with tape:
             if not self.is_first:
-                tape.watch(x)
+                tape.watch(_tensor(x))
             y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
-        self._kept[i] = (tape, x, [y, activity])
+        self._kept[i] = (tape, _tensor(x), [_tensor(y), activity])
         return y, activity
 
     def _chain(self, x, training: bool, keep: bool = False):
         if self.split:
             return replay.forward(self.steps, x, training, keep)
         activity = tf.constant(0.0, tf.float32)
+        if isinstance(x, tuple):  # (activations, the Keras mask they carry)
+            x, mask = x
+            x = tf.identity(x)  # a tensor of this trace's own, to carry the mask
+            compat.set_mask(x, mask)
         for layer in self.layers:
             x = layer(x, training=training)
             for sub in compat.sublayers(layer):
                 for loss in compat.own_losses(sub):
                     activity += tf.cast(tf.reduce_sum(loss), tf.float32)
+        if self.mask_out:
+            x = (x, tf.cast(compat.get_mask(x), tf.bool))
         return x, activity, [], []
 
     def forward_loss(self, loss_fn, x, y, sample_weight, scales):
@@ -187,10 +198,10 @@ class StageCompute:
         def forward_backward(x, y, sample_weight, scales):
             with tf.GradientTape() as tape:
                 if need_input:
-                    tape.watch(x)
+                    tape.watch(_tensor(x))
                 y_pred, activity = self._chain(x, True)[:2]
                 loss = _weighted(loss_fn(y, y_pred, sample_weight), activity, scales)
-            sources = ([x] if need_input else []) + self.trainable_variables
+            sources = ([_tensor(x)] if need_input else []) + self.trainable_variables
             grads = tape.gradient(loss, sources)
             dx = grads.pop(0) if need_input else None
             return loss, y_pred, _or_empty(dx), self.gradients.add_in_graph(grads)
@@ -340,6 +351,11 @@ class StageCompute:
         self._kept.clear()
         self._for_weights.clear()
         self.gradients.reset()
+
+
+def _tensor(value):
+    """The activations of a stage's input or output, without the mask that may ride with them."""
+    return value[0] if isinstance(value, tuple) else value
 
 
 def _scaled(grad, scale):

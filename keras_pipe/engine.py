@@ -120,8 +120,15 @@ class Engine:
             out = layer(out)
         self.specs, self.balance = specs, balance
         self.input_spec = (tuple(input_shape), str(input_dtype))
-        self.compute = StageCompute(own, is_first=self.is_first, jit=self.jit, eager=self.eager)
-        links = Links(self.pipeline, (x.shape, x.dtype), (out.shape, out.dtype)) if self.num_stages > 1 else None
+        mask_in = specs[start - 1].output_mask_shape if start else None
+        mask_out = specs[stop - 1].output_mask_shape if not self.is_last else None
+        masked = mask_in is not None or any(spec.output_mask_shape is not None for spec in specs[start:stop])
+        self.compute = StageCompute(
+            own, self.is_first, self.jit, self.eager, masked=masked, mask_out=mask_out is not None
+        )
+        links = (
+            Links(self.pipeline, (x.shape, x.dtype), (out.shape, out.dtype), mask_in) if self.num_stages > 1 else None
+        )
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
         pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
         self.executor = Executor(

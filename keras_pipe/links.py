@@ -25,18 +25,28 @@ class Links:
         input_spec, output_spec: ``(shape, dtype)`` of the stage's input and output.
     """
 
-    def __init__(self, comm: Communicator, input_spec, output_spec):
+    def __init__(self, comm: Communicator, input_spec, output_spec, input_mask=None):
         self.comm = comm
         self.stage = comm.rank
         self.num_stages = comm.size
         self.input_spec = input_spec
         self.output_spec = output_spec
+        self.input_mask = input_mask  # shape of the Keras mask the input carries, or None
 
     def send_activation(self, y) -> None:
+        """Sends the stage's output; ``(output, mask)`` sends the Keras mask after it (one byte per entry)."""
+        y, mask = y if isinstance(y, tuple) else (y, None)
         self.comm.send(_host(y), self.stage + 1, TAG_ACTIVATION)
+        if mask is not None:
+            self.comm.send(_host(mask).view(np.uint8), self.stage + 1, TAG_ACTIVATION)
 
     def receive_activation(self, rows: int):
-        return self._receive(self.stage - 1, TAG_ACTIVATION, self.input_spec, rows)
+        """The previous stage's output; ``(output, mask)`` where a Keras mask rides with it."""
+        x = self._receive(self.stage - 1, TAG_ACTIVATION, self.input_spec, rows)
+        if self.input_mask is None:
+            return x
+        mask = self._receive(self.stage - 1, TAG_ACTIVATION, (self.input_mask, "uint8"), rows)
+        return x, tf.cast(mask, tf.bool)
 
     def send_gradient(self, grad) -> None:
         self.comm.send(_host(grad), self.stage - 1, TAG_GRADIENT)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import keras
 
+from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.microbatch import bounds_of
 
@@ -31,6 +32,7 @@ class LayerSpec:
     num_params: int
     weight_shapes: tuple  # ((shape, dtype), ...) in ``layer.weights`` order
     trainable_shapes: tuple  # the same for ``layer.trainable_weights``
+    output_mask_shape: tuple | None = None  # the Keras mask the output carries (it crosses a boundary with it)
 
 
 def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_dtype: str) -> list[LayerSpec]:
@@ -46,11 +48,16 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
     """
     specs = []
     x = keras.KerasTensor(tuple(input_shape), input_dtype)
+    mask = None
     for index, layer in enumerate(layers):
         probe = shadow_copy(layer)
         try:
             with keras.StatelessScope():
                 y = probe(x) if probe is not None else layer.compute_output_spec(x)
+                if probe is not None:
+                    mask = compat.get_mask(y)
+                else:
+                    mask = layer.compute_mask(x, mask) if layer.supports_masking and mask is not None else None
         except Exception as error:  # noqa: BLE001 - re-raised with context
             raise PipelineConfigError(
                 f"layer {index} ({layer.name}, {type(layer).__name__}) cannot be called on an input of "
@@ -74,9 +81,12 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
                 num_params=int(sum(_size(w.shape) for w in weights)),
                 weight_shapes=tuple((tuple(w.shape), str(w.dtype)) for w in weights),
                 trainable_shapes=tuple((tuple(w.shape), str(w.dtype)) for w in trainable),
+                output_mask_shape=None if mask is None else tuple(mask.shape),
             )
         )
         x = keras.KerasTensor(y.shape, y.dtype)
+        if mask is not None:
+            compat.set_mask(x, mask)
     return specs
 
 

@@ -3,7 +3,7 @@
 import pytest
 from mpi import run_mpi
 
-CASES = ["clipnorm", "clipnorm-replicas", "bfloat16", "float16", "float16-overflow"]
+CASES = ["clipnorm", "clipnorm-replicas", "bfloat16", "float16", "float16-overflow", "masks"]
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

@@ -4,7 +4,8 @@ Run as ``mpirun -n P python features.py [CASE ...]``; prints ``FEATURE OK <case>
 per rank and case. Cases: ``clipnorm`` (global_clipnorm that clips, one pipeline),
 ``clipnorm-replicas`` (the same, 2 stages x P/2 replicas), ``bfloat16``,
 ``float16`` (mixed precision with loss scaling), ``float16-overflow`` (a step whose
-gradients overflow on stage 0 only is skipped on every stage).
+gradients overflow on stage 0 only is skipped on every stage), ``masks`` (a padding
+mask crosses each boundary of a masked LSTM stack).
 """
 
 import sys
@@ -30,16 +31,17 @@ def mlp():
     ]
 
 
-def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), **pipeline_args):
+def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, **pipeline_args):
+    inputs, labels, weights = data or (x, y, sw)
     keras.utils.set_random_seed(3)
     reference = keras.Sequential(chain())
     initial = reference.get_weights()
     reference.compile(**compile_args())
-    expected = reference.fit(x, y, sample_weight=sw, **fit_args).history
+    expected = reference.fit(inputs, labels, sample_weight=weights, **fit_args).history
     model = PipelineModel(chain(), **pipeline_args)
     model.set_weights(initial)
     model.compile(**compile_args())
-    history = model.fit(x, y, sample_weight=sw, **fit_args).history
+    history = model.fit(inputs, labels, sample_weight=weights, **fit_args).history
     rtol, atol = tolerance
     for key in expected:
         assert_close(history[key], expected[key], f"{case} history {key}", rtol, atol)
@@ -81,6 +83,31 @@ def precision(case):
         compare(case, mlp, sgd, tolerance=(4 * epsilon, 4 * epsilon), num_microbatches=2)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def masks(case):
+    """A padding mask from Embedding(mask_zero=True) crosses every boundary of a masked recurrent stack."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(1, 20, size=(96, 10))
+    lengths = rng.integers(2, 11, size=96)
+    tokens[np.arange(10)[None, :] >= lengths[:, None]] = 0  # padded at the end, as text batches are
+
+    def chain():
+        return [
+            keras.Input((10,), dtype="int32"),
+            keras.layers.Embedding(20, 8, mask_zero=True),
+            keras.layers.LSTM(8, return_sequences=True),
+            keras.layers.LSTM(8, return_sequences=True),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+
+    def adam():
+        return dict(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+
+    splits = {2: [[1, 4], [2, 3], [3, 2]], 3: [[1, 1, 3], [2, 1, 2]], 4: [[1, 1, 1, 2]]}.get(SIZE, [None])
+    for balance in splits:
+        compare(case, chain, adam, (1e-5, 1e-5), (tokens, y, sw), num_microbatches=2, balance=balance)
 
 
 class OverflowOnce(keras.layers.Layer):
@@ -143,6 +170,7 @@ CASES = {
     "bfloat16": precision,
     "float16": precision,
     "float16-overflow": overflow,
+    "masks": masks,
 }
 for name in sys.argv[1:] or list(CASES):
     if name == "clipnorm-replicas" and SIZE % 2:
