@@ -404,7 +404,7 @@ class Communicator:
             answer = answers.get(rank)
             if answer is None:
                 lines.append(
-                    f"  rank {rank}{self._where(rank)}: no answer within {_REPORT_GRACE_S:g} s (dead, stuck "
+                    f"  rank {rank}: no answer within {_REPORT_GRACE_S:g} s ({self._where(rank)}dead, stuck "
                     "outside keras_pipe, or failed before its first PipelineModel: see its own output)"
                 )
                 continue
@@ -416,7 +416,7 @@ class Communicator:
 
     def _where(self, rank: int) -> str:
         peers = self._shared.peers
-        return f" (pid {peers[rank][1]} on {peers[rank][0]})" if peers and self._parent is None else ""
+        return f"pid {peers[rank][1]} on {peers[rank][0]}: " if peers and self._parent is None else ""
 
     def _log(self, text: str) -> None:
         if self._debug:
