@@ -24,6 +24,8 @@ the program is tried with XLA on its first call and falls back to a plain
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import tensorflow as tf
 
 from keras_pipe import compat, replay
@@ -98,8 +100,17 @@ class StageCompute:
     """
 
     def __init__(
-        self, layers, is_first: bool, jit: bool = True, eager: bool = False, masked: bool = False, mask_out=False
+        self,
+        layers,
+        is_first: bool,
+        jit: bool = True,
+        eager: bool = False,
+        masked: bool = False,
+        mask_out: bool = False,
+        recompute: str = "never",
     ):
+        check_recompute(recompute)
+        self.recompute = recompute
         self.layers = list(layers)
         self.is_first = is_first
         self.jit = jit
@@ -109,10 +120,14 @@ class StageCompute:
         reasons = [r for r in map(replay.why_not_replayable, self.layers) if r]
         if masked:
             reasons.insert(0, "a Keras mask travels through the stage")
+        if recompute != "never":
+            reasons.insert(0, f"recompute={recompute!r} reruns the recorded forward")
         self.split = not reasons
         self.why_recorded = reasons[0] if reasons else None
         self.steps = replay.steps_of(self.layers) if self.split else []
         self.has_weight_regularizers = any(v.regularizer is not None for v in self.trainable_variables)
+        self._generators = [g for layer in self.layers for g in compat.seed_generators(layer)]
+        self._stateful = [compat.variable_handle(v) for layer in self.layers for v in layer.non_trainable_variables]
         self.gradients = GradientSum(self.trainable_variables, self._program)
         self._programs: dict = {}
         self._kept: dict = {}  # micro-batch -> what its backward needs
@@ -130,10 +145,23 @@ class StageCompute:
 
     # -- forward ----------------------------------------------------------
 
-    def forward(self, i: int, x, training: bool):
-        """``F``: ``(y, activity loss)`` of micro-batch ``i``; when training, keeps what its backward needs."""
+    def recomputes(self, i: int, num_microbatches: int) -> bool:
+        """Whether micro-batch ``i``'s forward keeps only its input, its backward rerunning the forward."""
+        return self.recompute == "always" or (self.recompute == "except_last" and i != num_microbatches - 1)
+
+    def forward(self, i: int, x, training: bool, recompute: bool = False):
+        """``F``: ``(y, activity loss)`` of micro-batch ``i``; when training, keeps what its backward needs.
+
+        With ``recompute`` that is only the input and the random generators'
+        state: the backward reruns the forward, drawing the same dropout masks.
+        """
         if not training:
             return self._program(("forward", False), lambda x: self._chain(x, False)[:2])(x)
+        if recompute:
+            states = self._random_state()
+            y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
+            self._kept[i] = _Rerun(x, states)
+            return y, activity
         if self.split:
             y, activity, inputs, seeds = self._program(("forward", True), lambda x: self._chain(x, True, keep=True))(x)
             self._kept[i] = (inputs, seeds)
@@ -226,7 +254,8 @@ class StageCompute:
             dx, parts = self._program("input_grad", input_grad)(inputs, seeds, grad, tf.constant(activity_scale))
             self._for_weights[i] = parts
             return dx if need_input else None
-        tape, x, outputs = self._kept.pop(i)
+        kept = self._kept.pop(i)
+        tape, x, outputs = self._rerun(*kept) if isinstance(kept, _Rerun) else kept
         sources = ([x] if need_input else []) + self.trainable_variables
         grads = tape.gradient(outputs, sources, output_gradients=[grad, tf.constant(activity_scale, tf.float32)])
         del tape, outputs  # the activations this micro-batch kept
@@ -346,11 +375,56 @@ class StageCompute:
 
         return float(self._program("squared_norm", squares)(*grads))
 
+    def _random_state(self) -> list:
+        return [tf.identity(compat.variable_handle(g.state)) for g in self._generators]
+
+    def _rerun(self, x, states):
+        """The forward of a recomputed micro-batch again, under a tape, with the random state it first had.
+
+        Every other variable a forward may update (a BatchNormalization's moving
+        statistics) is put back afterwards: the rerun must leave no trace.
+        """
+        generators = [compat.variable_handle(g.state) for g in self._generators]
+        now = [tf.identity(v) for v in generators]
+        others = [v for v in self._stateful if all(v is not g for g in generators)]
+        before = [tf.identity(v) for v in others]
+        for variable, value in zip(generators, states):
+            variable.assign(value)
+        tape = tf.GradientTape()
+        with tape:
+            if not self.is_first:
+                tape.watch(_tensor(x))
+            y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
+        for variable, value in zip(generators + others, now + before):
+            variable.assign(value)
+        return tape, _tensor(x), [_tensor(y), activity]
+
     def forget_step(self) -> None:
         """Drops whatever a step left behind (after an error, or a replica with no share)."""
         self._kept.clear()
         self._for_weights.clear()
         self.gradients.reset()
+
+
+RECOMPUTE = ("never", "except_last", "always")
+
+
+class _Rerun(NamedTuple):
+    """What a recomputed micro-batch keeps until its backward: its input and the random generators' state."""
+
+    x: object
+    states: list
+
+
+def check_recompute(value) -> None:
+    """Refuses an unknown ``recompute`` option, naming the accepted ones."""
+    if value not in RECOMPUTE:
+        from keras_pipe.errors import PipelineConfigError
+
+        raise PipelineConfigError(
+            f"recompute={value!r}: give one of {', '.join(map(repr, RECOMPUTE))} (as torchgpipe's checkpoint: "
+            "'always' keeps only each micro-batch's input and reruns its forward during the backward)."
+        )
 
 
 def _tensor(value):

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from keras_pipe import partition, schedule
 from keras_pipe.allreduce import ReplicaReducer
-from keras_pipe.compute import StageCompute
+from keras_pipe.compute import StageCompute, check_recompute
 from keras_pipe.consistency import StepAgreement
 from keras_pipe.devices import check_all_ranks, try_configure_gpus
 from keras_pipe.errors import PipelineConfigError
@@ -46,7 +46,7 @@ class Engine:
     ``executor``.
     """
 
-    def __init__(self, num_stages, stall_timeout, num_microbatches, schedule_name: str, balance):
+    def __init__(self, num_stages, stall_timeout, num_microbatches, schedule_name: str, balance, recompute="never"):
         init()
         topology = connect(num_stages, stall_timeout)
         start_entry_agreement(topology.world)
@@ -66,6 +66,8 @@ class Engine:
             num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
         schedule.check_microbatches(num_microbatches)
         schedule.check_name(schedule_name)
+        check_recompute(recompute)
+        self.recompute = recompute
         self.num_microbatches = num_microbatches
         self.schedule = schedule_name
         self.balance_option = balance
@@ -124,7 +126,7 @@ class Engine:
         mask_out = specs[stop - 1].output_mask_shape if not self.is_last else None
         masked = mask_in is not None or any(spec.output_mask_shape is not None for spec in specs[start:stop])
         self.compute = StageCompute(
-            own, self.is_first, self.jit, self.eager, masked=masked, mask_out=mask_out is not None
+            own, self.is_first, self.jit, self.eager, masked, mask_out is not None, self.recompute
         )
         links = (
             Links(self.pipeline, (x.shape, x.dtype), (out.shape, out.dtype), mask_in) if self.num_stages > 1 else None

@@ -130,7 +130,9 @@ class Executor:
             result.predictions[i] = y_pred
             self._span("forward", i, began)
             return
-        y, activity = self.compute.forward(i, x, training=batch.phase == "train")
+        training = batch.phase == "train"
+        recompute = training and self.compute.recomputes(i, len(batch.bounds))
+        y, activity = self.compute.forward(i, x, training, recompute)
         if batch.phase != "predict":
             result.loss_part += float(activity) * (stop - start) / batch.batch_size
         self._span("forward", i, began)

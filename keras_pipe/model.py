@@ -71,6 +71,13 @@ class PipelineModel(SavingMethods, keras.Model):
             rank.
         stall_timeout: seconds a rank may wait for a neighbour before the job
             is ended with a report; default ``KERAS_PIPE_STALL_TIMEOUT`` or 600.
+        recompute: activation recomputation, as torchgpipe's ``checkpoint``:
+            ``"never"`` (default) keeps every layer's activations of a
+            micro-batch until its backward; ``"always"`` keeps only the
+            stage's input and reruns the forward in the backward (same
+            dropout masks), trading one more forward for activation memory;
+            ``"except_last"`` does so for every micro-batch but the last.
+            Results are the same.
         name: the model's name.
         trainable: whether the model's weights are trainable.
     """
@@ -84,11 +91,12 @@ class PipelineModel(SavingMethods, keras.Model):
         schedule: str = "1f1b",
         num_stages: int | None = None,
         stall_timeout: float | None = None,
+        recompute: str = "never",
         name: str | None = None,
         trainable: bool = True,
     ):
         super().__init__(name=name, trainable=trainable)
-        engine = Engine(num_stages, stall_timeout, num_microbatches, schedule, balance)
+        engine = Engine(num_stages, stall_timeout, num_microbatches, schedule, balance, recompute)
         # Not tracked by Keras: only this rank's stage layers are (so that
         # `trainable_variables`, the optimizer and saving see this rank's).
         object.__setattr__(self, "engine", engine)

@@ -22,7 +22,10 @@ class FakeCompute:
         self.has_weight_regularizers = False
         self.gradients = FakeGradients()
 
-    def forward(self, i, x, training):
+    def recomputes(self, i, num_microbatches):
+        return False
+
+    def forward(self, i, x, training, recompute=False):
         self.log.append(f"F{i}")
         return np.zeros(1), 0.0
 

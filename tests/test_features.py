@@ -3,7 +3,7 @@
 import pytest
 from mpi import run_mpi
 
-CASES = ["clipnorm", "clipnorm-replicas", "bfloat16", "float16", "float16-overflow", "masks"]
+CASES = ["clipnorm", "clipnorm-replicas", "bfloat16", "float16", "float16-overflow", "masks", "recompute"]
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

@@ -5,7 +5,8 @@ per rank and case. Cases: ``clipnorm`` (global_clipnorm that clips, one pipeline
 ``clipnorm-replicas`` (the same, 2 stages x P/2 replicas), ``bfloat16``,
 ``float16`` (mixed precision with loss scaling), ``float16-overflow`` (a step whose
 gradients overflow on stage 0 only is skipped on every stage), ``masks`` (a padding
-mask crosses each boundary of a masked LSTM stack).
+mask crosses each boundary of a masked LSTM stack), ``recompute`` (activation
+recomputation with dropout and batch normalization changes nothing).
 """
 
 import sys
@@ -38,6 +39,7 @@ def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, **pipe
     initial = reference.get_weights()
     reference.compile(**compile_args())
     expected = reference.fit(inputs, labels, sample_weight=weights, **fit_args).history
+    keras.utils.set_random_seed(3)  # dropout layers get the reference's seeds
     model = PipelineModel(chain(), **pipeline_args)
     model.set_weights(initial)
     model.compile(**compile_args())
@@ -49,7 +51,6 @@ def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, **pipe
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), f"{case} weight {i}", rtol, atol)
     steps = (int(model.optimizer.iterations), int(reference.optimizer.iterations))
     assert steps[0] == steps[1] > 0, f"{case}: optimizer steps {steps}"
-    print(f"FEATURE OK {case} rank {RANK}", flush=True)
     return reference, initial
 
 
@@ -110,6 +111,42 @@ def masks(case):
         compare(case, chain, adam, (1e-5, 1e-5), (tokens, y, sw), num_microbatches=2, balance=balance)
 
 
+def recompute(case):
+    """Recomputation keeps only each micro-batch's input, reruns the forward with the same dropout masks."""
+
+    def chain():
+        return [
+            keras.Input((12,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+
+    def adam():  # (XLA draws other random numbers than TensorFlow's kernels: no XLA, as Sequential)
+        return dict(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy", jit_compile=False)
+
+    # one micro-batch: each dropout layer draws as in Sequential, so the two are equal
+    compare(case, chain, adam, (1e-4, 1e-5), num_microbatches=1, recompute="always")
+    # several: equal to the same pipeline without recomputation (to round-off: a forward run under a
+    # tape is another TensorFlow graph than one without)
+    results = {}
+    for option in ("never", "except_last", "always"):
+        keras.utils.set_random_seed(3)
+        initial = keras.Sequential(chain()).get_weights()
+        model = PipelineModel(chain(), num_microbatches=4, recompute=option)
+        model.set_weights(initial)
+        model.compile(**adam())
+        results[option] = (model.fit(x, y, sample_weight=sw, **fit_args).history, model.get_weights())
+    for option in ("except_last", "always"):
+        assert_close(results[option][0]["loss"], results["never"][0]["loss"], f"recompute={option} loss")
+        for i, (a, b) in enumerate(zip(results[option][1], results["never"][1])):
+            assert_close(a, b, f"recompute={option} weight {i}", 1e-4, 1e-5)
+
+
 class OverflowOnce(keras.layers.Layer):
     """Passes its input on; its weight's gradient overflows float16 while ``trigger`` is set (0 otherwise)."""
 
@@ -159,7 +196,6 @@ def overflow(case):
         assert steps == (2, 2), f"one of 3 steps skipped: {steps}"
         for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
             assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), f"{case} weight {i}", 2e-3, 2e-3)
-        print(f"FEATURE OK {case} rank {RANK}", flush=True)
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
@@ -171,8 +207,10 @@ CASES = {
     "float16": precision,
     "float16-overflow": overflow,
     "masks": masks,
+    "recompute": recompute,
 }
 for name in sys.argv[1:] or list(CASES):
     if name == "clipnorm-replicas" and SIZE % 2:
         continue
     CASES[name](name)
+    print(f"FEATURE OK {name} rank {RANK}", flush=True)
