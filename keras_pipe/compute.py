@@ -316,7 +316,8 @@ class StageCompute:
         def regularization(loss_scale):
             with tf.GradientTape() as tape:
                 loss = self._regularization_loss()
-            return loss, tape.gradient(loss * loss_scale, self.trainable_variables)
+                scaled = loss * loss_scale
+            return loss, tape.gradient(scaled, self.trainable_variables)
 
         loss, grads = self._program("regularization_gradients", regularization)(tf.constant(loss_scale, tf.float32))
         self.gradients.add(
