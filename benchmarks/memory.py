@@ -1,14 +1,20 @@
-"""Peak memory per rank of PipelineModel beside keras.Sequential.
+"""Peak memory per rank of PipelineModel beside keras.Sequential, with and without recomputation.
 
-    python benchmarks/memory.py
+    python benchmarks/memory.py                          # weights dominate
+    python benchmarks/memory.py --workload activations   # activations dominate
 
-Trains a model whose weights plus Adam state take several GiB (12 Dense
+``weights``: a model whose weights plus Adam state take several GiB (12 Dense
 layers of 4096 x 4096: 201M parameters, 0.75 GiB of weights, 3 GiB with
-gradients and Adam's two slots) for a few steps on 1, 2 and 4 ranks and
-prints each rank's peak resident memory beside Sequential's. The TensorFlow
-runtime's fixed cost (a process that imports everything and trains a tiny
-model, once with Sequential and once with PipelineModel) is measured too,
-and subtracted for the comparison with 1/P of Sequential's.
+gradients and Adam's two slots) at batch 16. ``activations``: 16 Dense layers
+of 1024 at batch 8192, where a batch's activations (0.5 GiB a layer's input
+and output, kept for the backward) outweigh the weights.
+
+Each is trained for a few steps on 1, 2 and 4 ranks, with ``recompute="never"``
+and ``"always"``, and each rank's peak resident memory is printed beside
+Sequential's. The TensorFlow runtime's fixed cost (a process that imports
+everything and trains a tiny model, once with Sequential and once with
+PipelineModel) is measured too, and subtracted for the comparison with 1/P of
+Sequential's.
 """
 
 from __future__ import annotations
@@ -21,14 +27,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-WIDTH, DEPTH, BATCH, STEPS = 4096, 12, 16, 3
+WORKLOADS = {"weights": (4096, 12, 16), "activations": (1024, 16, 8192)}  # width, depth, batch
+STEPS = 3
 
 
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def worker(kind: str, width: int, depth: int) -> None:
+def worker(kind: str, width: int, depth: int, batch: int, recompute: str) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
@@ -43,20 +50,21 @@ def worker(kind: str, width: int, depth: int) -> None:
     else:
         from keras_pipe import PipelineModel
 
-        model = PipelineModel(layers, num_microbatches=4)
+        model = PipelineModel(layers, num_microbatches=4, recompute=recompute)
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x = np.random.default_rng(0).normal(size=(BATCH * STEPS, width)).astype("float32")
-    y = np.random.default_rng(1).integers(0, 10, size=BATCH * STEPS)
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    x = np.random.default_rng(0).normal(size=(batch * STEPS, width)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 10, size=batch * STEPS)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     peaks = comm.allgather_json(peak_rss_gib())
     if comm.rank == 0:
         print("RESULT " + json.dumps(peaks), flush=True)
 
 
-def launch(ranks: int, kind: str, width: int = WIDTH, depth: int = DEPTH) -> list[float]:
+def launch(ranks: int, kind: str, width: int, depth: int, batch: int, recompute: str = "never") -> list[float]:
     mpirun = Path(sys.executable).parent / "mpirun"
     command = [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(ranks), sys.executable, __file__]
-    command += ["--worker", kind, "--width", str(width), "--depth", str(depth)]
+    command += ["--worker", kind, "--width", str(width), "--depth", str(depth), "--batch", str(batch)]
+    command += ["--recompute", recompute]
     out = subprocess.run(
         command, capture_output=True, text=True, timeout=1800, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     )
@@ -68,38 +76,43 @@ def launch(ranks: int, kind: str, width: int = WIDTH, depth: int = DEPTH) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Peak memory per rank, PipelineModel beside Sequential.")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="weights")
+    parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--width", type=int, default=WIDTH)
-    parser.add_argument("--depth", type=int, default=DEPTH)
+    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--recompute", default="never", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.width, args.depth)
-    params = args.depth * (args.width * args.width + args.width) + args.width * 10 + 10
+        return worker(args.worker, args.width, args.depth, args.batch, args.recompute)
+    width, depth, batch = WORKLOADS[args.workload]
+    params = depth * (width * width + width) + width * 10 + 10
     print(
-        f"model: {args.depth} x Dense({args.width}) + Dense(10): {params / 1e6:.0f}M parameters, "
-        f"{params * 4 / 2**30:.2f} GiB of weights, {4 * params * 4 / 2**30:.2f} GiB with gradients and Adam"
+        f"model: {depth} x Dense({width}) + Dense(10) at batch {batch}, 4 micro-batches: {params / 1e6:.0f}M "
+        f"parameters, {params * 4 / 2**30:.2f} GiB of weights, {4 * params * 4 / 2**30:.2f} GiB with gradients and "
+        f"Adam; one layer's activations for the batch {batch * width * 4 / 2**30:.2f} GiB"
     )
-    runtime_sequential = launch(1, "sequential", width=8, depth=1)[0]
-    runtime = launch(1, "pipeline", width=8, depth=1)[0]
-    sequential = launch(1, "sequential", args.width, args.depth)[0]
+    runtime_sequential = launch(1, "sequential", 8, 1, 16)[0]
+    runtime = launch(1, "pipeline", 8, 1, 16)[0]
+    sequential = launch(1, "sequential", width, depth, batch)[0]
     print(
         f"fixed cost per process (a tiny model trained): Sequential {runtime_sequential:.2f} GiB, "
         f"PipelineModel {runtime:.2f} GiB (TensorFlow, MPI, XLA)"
     )
     print(
-        f"{'configuration':<26} {'peak RSS per rank (GiB)':<32} {'max - runtime':>13} "
+        f"{'configuration':<40} {'peak RSS per rank (GiB)':<26} {'max - runtime':>13} "
         f"{'(Seq - runtime)/P':>18} {'ratio':>6}"
     )
-    print(f"{'Sequential, 1 process':<26} {sequential:<32.2f} {sequential - runtime_sequential:13.2f}")
-    for ranks in (1, 2, 4):
-        peaks = launch(ranks, "pipeline", args.width, args.depth)
-        mine = max(peaks) - runtime
-        ideal = (sequential - runtime_sequential) / ranks
-        shown = " ".join(f"{p:.2f}" for p in peaks)
-        print(
-            f"{f'PipelineModel, {ranks} rank(s)':<26} {shown:<32} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f}",
-            flush=True,
-        )
+    print(f"{'Sequential, 1 process':<40} {sequential:<26.2f} {sequential - runtime_sequential:13.2f}")
+    for ranks in map(int, args.ranks.split(",")):
+        for recompute in ("never", "always"):
+            peaks = launch(ranks, "pipeline", width, depth, batch, recompute)
+            mine = max(peaks) - runtime
+            ideal = (sequential - runtime_sequential) / ranks
+            shown = " ".join(f"{p:.2f}" for p in peaks)
+            name = f"PipelineModel, {ranks} rank(s), {recompute}"
+            print(f"{name:<40} {shown:<26} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Importing keras_pipe communicates with no other rank (see
 :mod:`keras_pipe.runtime`).
 """
 
+from keras_pipe.batchnorm import DeferredBatchNormalization
 from keras_pipe.devices import try_configure_gpus as _configure_gpus
 from keras_pipe.errors import (
     CollectiveError,
@@ -36,6 +37,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "PipelineModel",
+    "DeferredBatchNormalization",
     "load_model",
     "init",
     "CollectiveError",

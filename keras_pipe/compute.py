@@ -29,6 +29,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from keras_pipe import compat, replay
+from keras_pipe.batchnorm import DeferredBatchNormalization
 from keras_pipe.gradients import GradientSum
 
 _XLA_REFUSALS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, NotImplementedError)
@@ -127,7 +128,14 @@ class StageCompute:
         self.steps = replay.steps_of(self.layers) if self.split else []
         self.has_weight_regularizers = any(v.regularizer is not None for v in self.trainable_variables)
         self._generators = [g for layer in self.layers for g in compat.seed_generators(layer)]
+        self._deferred_norms = [
+            sub
+            for layer in self.layers
+            for sub in compat.sublayers(layer)
+            if isinstance(sub, DeferredBatchNormalization)
+        ]
         self._stateful = [compat.variable_handle(v) for layer in self.layers for v in layer.non_trainable_variables]
+        self._stateful += [v for norm in self._deferred_norms for v in norm.step_variables()]
         self.gradients = GradientSum(self.trainable_variables, self._program)
         self._programs: dict = {}
         self._kept: dict = {}  # micro-batch -> what its backward needs
@@ -399,6 +407,16 @@ class StageCompute:
         for variable, value in zip(generators + others, now + before):
             variable.assign(value)
         return tape, _tensor(x), [_tensor(y), activity]
+
+    def begin_step(self) -> None:
+        """Before a training step: deferred batch norms start summing the batch's statistics."""
+        for norm in self._deferred_norms:
+            norm.begin_batch()
+
+    def end_step(self) -> None:
+        """After a training step: deferred batch norms move their statistics by the whole batch's."""
+        for norm in self._deferred_norms:
+            norm.commit_batch()
 
     def forget_step(self) -> None:
         """Drops whatever a step left behind (after an error, or a replica with no share)."""

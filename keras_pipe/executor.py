@@ -100,6 +100,8 @@ class Executor:
         self._loss_scale = loss_scale(batch.optimizer) if batch.phase == "train" else 1.0
         self._last_weights = max((p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT), default=-1)
         try:
+            if batch.phase == "train":
+                self.compute.begin_step()
             self._count_regularization(batch, result, before_actions=True)
             for position, action in enumerate(actions):
                 self.status.doing = (
@@ -110,6 +112,8 @@ class Executor:
                 if self.links is not None:
                     self.links.progress()
             self._end_step(batch, result)
+            if batch.phase == "train":
+                self.compute.end_step()
         except BaseException:
             self.compute.forget_step()
             raise

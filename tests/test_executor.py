@@ -25,6 +25,12 @@ class FakeCompute:
     def recomputes(self, i, num_microbatches):
         return False
 
+    def begin_step(self):
+        pass
+
+    def end_step(self):
+        pass
+
     def forward(self, i, x, training, recompute=False):
         self.log.append(f"F{i}")
         return np.zeros(1), 0.0

@@ -3,7 +3,16 @@
 import pytest
 from mpi import run_mpi
 
-CASES = ["clipnorm", "clipnorm-replicas", "bfloat16", "float16", "float16-overflow", "masks", "recompute"]
+CASES = [
+    "clipnorm",
+    "clipnorm-replicas",
+    "bfloat16",
+    "float16",
+    "float16-overflow",
+    "masks",
+    "recompute",
+    "deferred-batchnorm",
+]
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

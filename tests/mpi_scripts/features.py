@@ -6,7 +6,8 @@ per rank and case. Cases: ``clipnorm`` (global_clipnorm that clips, one pipeline
 ``float16`` (mixed precision with loss scaling), ``float16-overflow`` (a step whose
 gradients overflow on stage 0 only is skipped on every stage), ``masks`` (a padding
 mask crosses each boundary of a masked LSTM stack), ``recompute`` (activation
-recomputation with dropout and batch normalization changes nothing).
+recomputation with dropout and batch normalization changes nothing),
+``deferred-batchnorm`` (moving statistics of the whole batch, not the last micro-batch).
 """
 
 import sys
@@ -17,6 +18,7 @@ import tensorflow as tf
 from common import RANK, SIZE, assert_close, data
 
 from keras_pipe import PipelineModel
+from keras_pipe.batchnorm import DeferredBatchNormalization
 
 x, y, sw = data(n=96)
 fit_args = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
@@ -147,6 +149,38 @@ def recompute(case):
             assert_close(a, b, f"recompute={option} weight {i}", 1e-4, 1e-5)
 
 
+def deferred_batchnorm(case):
+    """After one step of 4 micro-batches, DeferredBatchNormalization's moving statistics are the whole batch's."""
+
+    def chain(norm):
+        return [
+            keras.Input((12,)),
+            keras.layers.Dense(16, activation="relu"),
+            norm(momentum=0.5),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+
+    def sgd():
+        return dict(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+
+    keras.utils.set_random_seed(3)
+    reference = keras.Sequential(chain(keras.layers.BatchNormalization))
+    initial = reference.get_weights()
+    reference.compile(**sgd())
+    reference.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    expected = reference.get_weights()
+    moving = [i for i, w in enumerate(reference.weights) if "moving" in w.path]
+    for norm, deferred in ((keras.layers.BatchNormalization, False), (DeferredBatchNormalization, True)):
+        model = PipelineModel(chain(norm), num_microbatches=4)
+        model.set_weights(initial)
+        model.compile(**sgd())
+        model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+        weights = model.get_weights()
+        close = all(np.allclose(weights[i], expected[i], rtol=1e-5, atol=1e-6) for i in moving)
+        assert close == deferred, f"rank {RANK}: {norm.__name__} moving statistics equal Sequential's: {close}"
+
+
 class OverflowOnce(keras.layers.Layer):
     """Passes its input on; its weight's gradient overflows float16 while ``trigger`` is set (0 otherwise)."""
 
@@ -208,6 +242,7 @@ CASES = {
     "float16-overflow": overflow,
     "masks": masks,
     "recompute": recompute,
+    "deferred-batchnorm": deferred_batchnorm,
 }
 for name in sys.argv[1:] or list(CASES):
     if name == "clipnorm-replicas" and SIZE % 2:
