@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_pipe import compat, replay
 from keras_pipe.batchnorm import DeferredBatchNormalization
 from keras_pipe.gradients import GradientSum
+from keras_pipe.links import Masked
 
 _XLA_REFUSALS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, NotImplementedError)
 
@@ -82,7 +83,9 @@ class Program:
 def _signature(value):
     """What selects a trace: the structure, shapes and dtypes of the arguments (hashable)."""
     if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
+        return (type(value).__name__,) + tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((key, _signature(value[key])) for key in sorted(value))
     if value is None:
         return None
     if isinstance(value, tf.IndexedSlices):
@@ -109,6 +112,7 @@ class StageCompute:
         masked: bool = False,
         mask_out: bool = False,
         recompute: str = "never",
+        several: bool = False,
     ):
         check_recompute(recompute)
         self.recompute = recompute
@@ -121,6 +125,8 @@ class StageCompute:
         reasons = [r for r in map(replay.why_not_replayable, self.layers) if r]
         if masked:
             reasons.insert(0, "a Keras mask travels through the stage")
+        if several:
+            reasons.insert(0, "several tensors cross into, within or out of the stage")
         if recompute != "never":
             reasons.insert(0, f"recompute={recompute!r} reruns the recorded forward")
         self.split = not reasons
@@ -177,16 +183,16 @@ class StageCompute:
         tape = tf.GradientTape()
         with tape:
             if not self.is_first:
-                tape.watch(_tensor(x))
+                tape.watch(_sources(x))
             y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
-        self._kept[i] = (tape, _tensor(x), [_tensor(y), activity])
+        self._kept[i] = (tape, x, [*_sources(y), activity])
         return y, activity
 
     def _chain(self, x, training: bool, keep: bool = False):
         if self.split:
             return replay.forward(self.steps, x, training, keep)
         activity = tf.constant(0.0, tf.float32)
-        if isinstance(x, tuple):  # (activations, the Keras mask they carry)
+        if isinstance(x, Masked):  # activations and the Keras mask they carry
             x, mask = x
             x = tf.identity(x)  # a tensor of this trace's own, to carry the mask
             compat.set_mask(x, mask)
@@ -196,7 +202,7 @@ class StageCompute:
                 for loss in compat.own_losses(sub):
                     activity += tf.cast(tf.reduce_sum(loss), tf.float32)
         if self.mask_out:
-            x = (x, tf.cast(compat.get_mask(x), tf.bool))
+            x = Masked(x, tf.cast(compat.get_mask(x), tf.bool))
         return x, activity, [], []
 
     def forward_loss(self, loss_fn, x, y, sample_weight, scales):
@@ -234,13 +240,17 @@ class StageCompute:
         def forward_backward(x, y, sample_weight, scales):
             with tf.GradientTape() as tape:
                 if need_input:
-                    tape.watch(_tensor(x))
+                    tape.watch(_sources(x))
                 y_pred, activity = self._chain(x, True)[:2]
                 loss = _weighted(loss_fn(y, y_pred, sample_weight), activity, scales)
-            sources = ([_tensor(x)] if need_input else []) + self.trainable_variables
+            inputs = _sources(x) if need_input else []
+            sources = inputs + self.trainable_variables
             grads = tape.gradient(loss, sources)
-            dx = grads.pop(0) if need_input else None
-            return loss, y_pred, _or_empty(dx), self.gradients.add_in_graph(grads)
+            dx = None
+            if need_input:
+                dx = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[: len(inputs)], inputs)]
+                dx = _input_gradient(x, dx)
+            return loss, y_pred, _or_empty(dx), self.gradients.add_in_graph(grads[len(inputs) :])
 
         self.gradients.prepare()
         loss, y_pred, dx, sparse = self._program(
@@ -264,13 +274,14 @@ class StageCompute:
             return dx if need_input else None
         kept = self._kept.pop(i)
         tape, x, outputs = self._rerun(*kept) if isinstance(kept, _Rerun) else kept
-        sources = ([x] if need_input else []) + self.trainable_variables
-        grads = tape.gradient(outputs, sources, output_gradients=[grad, tf.constant(activity_scale, tf.float32)])
+        inputs = _sources(x) if need_input else []
+        sources = inputs + self.trainable_variables
+        output_grads = (grad if isinstance(grad, list) else [grad]) + [tf.constant(activity_scale, tf.float32)]
+        grads = tape.gradient(outputs, sources, output_gradients=output_grads)
         del tape, outputs  # the activations this micro-batch kept
         grads = [tf.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(grads, sources)]
-        dx = grads.pop(0) if need_input else None
-        self.gradients.add(grads)
-        return dx
+        self.gradients.add(grads[len(inputs) :])
+        return _input_gradient(x, grads[: len(inputs)]) if need_input else None
 
     def weights(
         self, microbatches, activity_scale: float, regularize: bool, optimizer=None, loss_scale: float = 1.0
@@ -402,11 +413,11 @@ class StageCompute:
         tape = tf.GradientTape()
         with tape:
             if not self.is_first:
-                tape.watch(_tensor(x))
+                tape.watch(_sources(x))
             y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
         for variable, value in zip(generators + others, now + before):
             variable.assign(value)
-        return tape, _tensor(x), [_tensor(y), activity]
+        return tape, x, [*_sources(y), activity]
 
     def begin_step(self) -> None:
         """Before a training step: deferred batch norms start summing the batch's statistics."""
@@ -446,9 +457,22 @@ def check_recompute(value) -> None:
         )
 
 
-def _tensor(value):
-    """The activations of a stage's input or output, without the mask that may ride with them."""
-    return value[0] if isinstance(value, tuple) else value
+def _sources(value) -> list:
+    """The floating-point tensors of a stage's input or output, whose gradients cross the boundary.
+
+    One tensor (a ``Masked`` one without its mask), or each floating-point
+    tensor of a structure (integer tensors, token ids say, have no gradient).
+    """
+    if isinstance(value, Masked):
+        return [value.tensor]
+    if not isinstance(value, (tuple, list, dict)):
+        return [value]
+    return [t for t in tf.nest.flatten(value) if t.dtype.is_floating]
+
+
+def _input_gradient(x, grads: list):
+    """What the previous stage receives: a tensor, or a list where its output is a structure."""
+    return list(grads) if isinstance(x, (tuple, list, dict)) and not isinstance(x, Masked) else grads[0]
 
 
 def _scaled(grad, scale):

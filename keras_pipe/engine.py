@@ -116,7 +116,10 @@ class Engine:
         self._warn_about_batch_statistics(layers)
         start, stop = partition.stage_bounds(balance)[self.stage]
         own = layers[start:stop]
-        x = keras.KerasTensor(specs[start].input_shape, specs[start].input_dtype)
+        x = specs[start].input_template
+        if x is None:
+            x = keras.KerasTensor(specs[start].input_shape, specs[start].input_dtype)
+        x = keras.tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), x)
         out = x
         for layer in own:
             out = layer(out)
@@ -125,12 +128,11 @@ class Engine:
         mask_in = specs[start - 1].output_mask_shape if start else None
         mask_out = specs[stop - 1].output_mask_shape if not self.is_last else None
         masked = mask_in is not None or any(spec.output_mask_shape is not None for spec in specs[start:stop])
+        several = any(spec.output_template is not None for spec in specs[max(start - 1, 0) : stop])
         self.compute = StageCompute(
-            own, self.is_first, self.jit, self.eager, masked, mask_out is not None, self.recompute
+            own, self.is_first, self.jit, self.eager, masked, mask_out is not None, self.recompute, several
         )
-        links = (
-            Links(self.pipeline, (x.shape, x.dtype), (out.shape, out.dtype), mask_in) if self.num_stages > 1 else None
-        )
+        links = Links(self.pipeline, x, out, mask_in) if self.num_stages > 1 else None
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
         pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
         self.executor = Executor(

@@ -10,6 +10,9 @@ of training on the wrong rows.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -22,37 +25,52 @@ class Links:
 
     Args:
         comm: the pipeline's communicator (rank = stage).
-        input_spec, output_spec: ``(shape, dtype)`` of the stage's input and output.
+        input_template, output_template: the stage's input and output as ``KerasTensor``s:
+            one, or a tuple, list or dict of them (each crosses as a message of its own).
+        input_mask: the shape of the Keras mask that rides with a single input tensor, or ``None``.
     """
 
-    def __init__(self, comm: Communicator, input_spec, output_spec, input_mask=None):
+    def __init__(self, comm: Communicator, input_template, output_template, input_mask=None):
         self.comm = comm
         self.stage = comm.rank
         self.num_stages = comm.size
-        self.input_spec = input_spec
-        self.output_spec = output_spec
-        self.input_mask = input_mask  # shape of the Keras mask the input carries, or None
+        self.input_template = input_template
+        self.input_specs = _specs(input_template)
+        # gradients come back for the floating-point tensors only
+        self.output_gradient_specs = [s for s in _specs(output_template) if tf.as_dtype(s[1]).is_floating]
+        self.several_outputs = not isinstance(output_template, keras.KerasTensor)
+        self.input_mask = input_mask
 
     def send_activation(self, y) -> None:
-        """Sends the stage's output; ``(output, mask)`` sends the Keras mask after it (one byte per entry)."""
-        y, mask = y if isinstance(y, tuple) else (y, None)
-        self.comm.send(_host(y), self.stage + 1, TAG_ACTIVATION)
+        """Sends the stage's output, each tensor of a structure in turn; a ``Masked`` one's mask after it."""
+        mask = None
+        if isinstance(y, Masked):
+            y, mask = y
+        for tensor in tf.nest.flatten(y):
+            self.comm.send(_host(tensor), self.stage + 1, TAG_ACTIVATION)
         if mask is not None:
             self.comm.send(_host(mask).view(np.uint8), self.stage + 1, TAG_ACTIVATION)
 
     def receive_activation(self, rows: int):
-        """The previous stage's output; ``(output, mask)`` where a Keras mask rides with it."""
-        x = self._receive(self.stage - 1, TAG_ACTIVATION, self.input_spec, rows)
+        """The previous stage's output (a structure where it is one); ``Masked`` where a Keras mask rides with it."""
+        tensors = [self._receive(self.stage - 1, TAG_ACTIVATION, spec, rows) for spec in self.input_specs]
+        x = tensors[0] if isinstance(self.input_template, keras.KerasTensor) else None
+        if x is None:
+            return tf.nest.pack_sequence_as(self.input_template, tensors)
         if self.input_mask is None:
             return x
         mask = self._receive(self.stage - 1, TAG_ACTIVATION, (self.input_mask, "uint8"), rows)
-        return x, tf.cast(mask, tf.bool)
+        return Masked(x, tf.cast(mask, tf.bool))
 
     def send_gradient(self, grad) -> None:
-        self.comm.send(_host(grad), self.stage - 1, TAG_GRADIENT)
+        """Sends the input gradient: one tensor, or a list (one per floating-point input tensor)."""
+        for tensor in grad if isinstance(grad, list) else [grad]:
+            self.comm.send(_host(tensor), self.stage - 1, TAG_GRADIENT)
 
     def receive_gradient(self, rows: int):
-        return self._receive(self.stage + 1, TAG_GRADIENT, self.output_spec, rows)
+        """The output gradient: one tensor, or a list where the stage returns several."""
+        grads = [self._receive(self.stage + 1, TAG_GRADIENT, spec, rows) for spec in self.output_gradient_specs]
+        return grads if self.several_outputs else grads[0]
 
     def progress(self) -> None:
         """Lets MPI move pending sends along."""
@@ -94,6 +112,18 @@ class Links:
                 )
             received.append(array)
         return tuple(received)
+
+
+class Masked(NamedTuple):
+    """Activations and the Keras mask that rides with them (``Embedding(mask_zero=True)``, ``Masking``)."""
+
+    tensor: object
+    mask: object
+
+
+def _specs(template) -> list:
+    """``(shape, dtype)`` of each tensor of a ``KerasTensor`` structure, in ``tf.nest`` order."""
+    return [(tuple(t.shape), str(t.dtype)) for t in tf.nest.flatten(template)]
 
 
 def _host(tensor) -> np.ndarray:

@@ -33,6 +33,10 @@ class LayerSpec:
     weight_shapes: tuple  # ((shape, dtype), ...) in ``layer.weights`` order
     trainable_shapes: tuple  # the same for ``layer.trainable_weights``
     output_mask_shape: tuple | None = None  # the Keras mask the output carries (it crosses a boundary with it)
+    # Where a layer takes or returns several tensors (a tuple, list or dict): their structure, as
+    # KerasTensors (the shapes above are then the structure's shapes, for display); None for one tensor.
+    input_template: object = None
+    output_template: object = None
 
 
 def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_dtype: str) -> list[LayerSpec]:
@@ -61,33 +65,55 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
         except Exception as error:  # noqa: BLE001 - re-raised with context
             raise PipelineConfigError(
                 f"layer {index} ({layer.name}, {type(layer).__name__}) cannot be called on an input of "
-                f"shape {tuple(x.shape)} and dtype {x.dtype}: {error}"
+                f"shape {_shapes(x)} and dtype {_dtype(x)}: {error}"
             ) from error
-        if not isinstance(y, keras.KerasTensor):
+        leaves = keras.tree.flatten(y)
+        if not leaves or not all(isinstance(leaf, keras.KerasTensor) for leaf in leaves):
             raise PipelineConfigError(
                 f"layer {index} ({layer.name}, {type(layer).__name__}) returns {type(y).__name__}; "
-                "a pipeline stage boundary needs a single tensor per layer, as keras.Sequential does."
+                "a pipeline stage boundary needs a tensor, or a tuple, list or dict of tensors."
             )
+        several = not isinstance(y, keras.KerasTensor)
+        if several and index == len(layers) - 1:
+            raise PipelineConfigError(
+                f"the last layer ({layer.name}, {type(layer).__name__}) returns {len(leaves)} tensors; a "
+                "PipelineModel has one output, as keras.Sequential: end the chain with a layer that returns one."
+            )
+        if several:
+            mask = None  # (masks ride on single tensors)
         weights = probe.weights if probe is not None and (probe is not layer or layer.built) else []
         trainable = probe.trainable_weights if probe is not None and (probe is not layer or layer.built) else []
         specs.append(
             LayerSpec(
                 name=layer.name,
                 class_name=type(layer).__name__,
-                input_shape=tuple(x.shape),
-                input_dtype=str(x.dtype),
-                output_shape=tuple(y.shape),
-                output_dtype=str(y.dtype),
+                input_shape=_shapes(x),
+                input_dtype=_dtype(x),
+                output_shape=_shapes(y),
+                output_dtype=_dtype(y),
                 num_params=int(sum(_size(w.shape) for w in weights)),
                 weight_shapes=tuple((tuple(w.shape), str(w.dtype)) for w in weights),
                 trainable_shapes=tuple((tuple(w.shape), str(w.dtype)) for w in trainable),
                 output_mask_shape=None if mask is None else tuple(mask.shape),
+                input_template=None if isinstance(x, keras.KerasTensor) else x,
+                output_template=y if several else None,
             )
         )
-        x = keras.KerasTensor(y.shape, y.dtype)
+        x = keras.tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), y)
         if mask is not None:
             compat.set_mask(x, mask)
     return specs
+
+
+def _shapes(x) -> tuple:
+    """A tensor's shape; for several tensors, their shapes (for messages and ``summary``)."""
+    if isinstance(x, keras.KerasTensor):
+        return tuple(x.shape)
+    return tuple(tuple(leaf.shape) for leaf in keras.tree.flatten(x))
+
+
+def _dtype(x) -> str:
+    return str(keras.tree.flatten(x)[0].dtype)
 
 
 def shadow_copy(layer: keras.layers.Layer) -> keras.layers.Layer | None:

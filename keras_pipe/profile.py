@@ -29,19 +29,23 @@ def layer_times(layers, specs, start: int, stop: int, rows: int, repeats: int = 
     times = []
     for layer, spec in zip(layers[start:stop], specs[start:stop]):
         clone = partition.shadow_copy(layer)
-        shape = (rows,) + tuple(spec.input_shape[1:])
-        dtype = tf.as_dtype(spec.input_dtype)
-        x = tf.random.normal(shape, dtype=dtype) if dtype.is_floating else tf.zeros(shape, dtype)
+        template = spec.input_template
+        if template is None:
+            template = keras.KerasTensor(spec.input_shape, spec.input_dtype)
+        x = keras.tree.map_structure(lambda t: _sample(t, rows), template)
         clone(x)  # build
 
         @tf.function
         def step(x, clone=clone):
+            inputs = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
             with tf.GradientTape() as tape:
-                if x.dtype.is_floating:
-                    tape.watch(x)
+                tape.watch(inputs)
                 y = clone(x, training=True)
-            sources = ([x] if x.dtype.is_floating else []) + clone.trainable_weights
-            return tape.gradient(y, sources, output_gradients=tf.ones_like(y)) if sources else y
+            outputs = [t for t in tf.nest.flatten(y) if t.dtype.is_floating]
+            sources = inputs + clone.trainable_weights
+            if not sources or not outputs:
+                return y
+            return tape.gradient(outputs, sources, output_gradients=[tf.ones_like(t) for t in outputs])
 
         step(x)  # trace and warm up
         samples = []
@@ -53,6 +57,13 @@ def layer_times(layers, specs, start: int, stop: int, rows: int, repeats: int = 
         times.append(statistics.median(samples))
         del clone, step
     return times
+
+
+def _sample(template, rows: int):
+    """A tensor of ``rows`` samples shaped as the ``KerasTensor`` ``template``: random floats, else zeros."""
+    shape = (rows,) + tuple(template.shape[1:])
+    dtype = tf.as_dtype(template.dtype)
+    return tf.random.normal(shape, dtype=dtype) if dtype.is_floating else tf.zeros(shape, dtype)
 
 
 def balance_by_time(

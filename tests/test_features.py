@@ -12,6 +12,7 @@ CASES = [
     "masks",
     "recompute",
     "deferred-batchnorm",
+    "several-tensors",
 ]
 
 

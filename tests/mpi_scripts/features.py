@@ -7,7 +7,8 @@ per rank and case. Cases: ``clipnorm`` (global_clipnorm that clips, one pipeline
 gradients overflow on stage 0 only is skipped on every stage), ``masks`` (a padding
 mask crosses each boundary of a masked LSTM stack), ``recompute`` (activation
 recomputation with dropout and batch normalization changes nothing),
-``deferred-batchnorm`` (moving statistics of the whole batch, not the last micro-batch).
+``deferred-batchnorm`` (moving statistics of the whole batch, not the last micro-batch),
+``several-tensors`` (a skip connection crosses boundaries as a tuple of two tensors).
 """
 
 import sys
@@ -181,6 +182,61 @@ def deferred_batchnorm(case):
         assert close == deferred, f"rank {RANK}: {norm.__name__} moving statistics equal Sequential's: {close}"
 
 
+@keras.saving.register_keras_serializable(package="tests")
+class Fork(keras.layers.Layer):
+    """Starts a skip connection: returns ``(x, x)``."""
+
+    def call(self, x):
+        return (x, x)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Carry(keras.layers.Layer):
+    """A Dense on the first tensor; the skip connection (and any other tensor) passes through."""
+
+    def __init__(self, units, activation=None, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.activation = units, activation
+        self.dense = keras.layers.Dense(units, activation=activation)
+
+    def call(self, inputs):
+        h, *rest = inputs
+        return (self.dense(h), *rest)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "activation": self.activation}
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Join(keras.layers.Layer):
+    """Ends the skip connection: the sum of the two tensors."""
+
+    def call(self, inputs):
+        return inputs[0] + inputs[1]
+
+
+def several_tensors(case):
+    """A skip connection carried across stage boundaries as a tuple of two tensors (torchgpipe's way)."""
+
+    def chain():
+        return [
+            keras.Input((12,)),
+            keras.layers.Dense(16, activation="relu"),
+            Fork(),
+            Carry(16, "relu"),
+            Carry(16, "tanh"),
+            Join(),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+
+    def adam():
+        return dict(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+
+    splits = {2: [[2, 4], [3, 3], [4, 2]], 3: [[2, 2, 2]], 4: [[2, 1, 1, 2]]}.get(SIZE, [None])
+    for balance in splits:
+        compare(case, chain, adam, num_microbatches=2, balance=balance)
+
+
 class OverflowOnce(keras.layers.Layer):
     """Passes its input on; its weight's gradient overflows float16 while ``trigger`` is set (0 otherwise)."""
 
@@ -243,6 +299,7 @@ CASES = {
     "masks": masks,
     "recompute": recompute,
     "deferred-batchnorm": deferred_batchnorm,
+    "several-tensors": several_tensors,
 }
 for name in sys.argv[1:] or list(CASES):
     if name == "clipnorm-replicas" and SIZE % 2:
