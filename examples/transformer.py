@@ -7,7 +7,8 @@ Everything a transformer stack needs crosses the stage boundaries: token and
 position embeddings with a padding mask (``mask_zero=True``), encoder blocks
 written as Keras layers around ``MultiHeadAttention`` that read the mask, a
 masked average pooling and a classifier; trained in ``mixed_bfloat16`` with
-``global_clipnorm`` (the norm of the whole model's gradient, all stages).
+``global_clipnorm`` (the norm of the whole model's gradient, all stages) and
+activation recomputation (each stage keeps only its micro-batches' inputs).
 
 The data are made here (nothing is downloaded): variable-length "sentences" of
 token ids padded with 0, labelled by which of three keywords occurs most often,
@@ -123,6 +124,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--policy", default="mixed_bfloat16", help="a keras.mixed_precision policy")
+    parser.add_argument("--recompute", default="always", choices=["never", "except_last", "always"])
     parser.add_argument("--plot", help="rank 0 draws both models' curves to this PNG")
     args = parser.parse_args()
     rank = MPI.COMM_WORLD.Get_rank()
@@ -134,7 +136,7 @@ def main():
     keras.utils.set_random_seed(0)
     sequential = keras.Sequential(layers())
     initial = sequential.get_weights()
-    model = PipelineModel(layers(), num_microbatches=args.microbatches)
+    model = PipelineModel(layers(), num_microbatches=args.microbatches, recompute=args.recompute)
     model.set_weights(initial)
     model.compile(**compile_args())
     model.summary()
@@ -168,7 +170,7 @@ def plot(pipelined, reference, args, ranks):
         axis.set_xlabel("epoch")
         axis.set_title(key)
     axes[0].legend()
-    figure.suptitle(f"transformer classifier, {args.policy}, global_clipnorm=1.0")
+    figure.suptitle(f"transformer classifier, {args.policy}, global_clipnorm=1.0, recompute={args.recompute!r}")
     figure.tight_layout()
     figure.savefig(args.plot, dpi=100)
     print(f"wrote {args.plot}")
