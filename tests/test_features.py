@@ -16,7 +16,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+# 4 ranks: one pipeline of 4 stages (masks and skip connections cross three boundaries) and, for
+# clipnorm-replicas, 2 stages x 2 replicas; features.py runs on any number of ranks.
+@pytest.mark.parametrize("nprocs", [4])
 def test_features_equal_sequential(nprocs):
     launch = run_mpi(nprocs, "features.py", *CASES, timeout=600)
     assert launch.returncode == 0, launch.output
