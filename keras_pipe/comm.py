@@ -305,8 +305,9 @@ class Communicator:
             waited = now - start
             if now > next_status_check:
                 root.answer_status_requests()
-                if root.dead_peers() and not poll():  # (a peer that finished may have sent what we wait for)
-                    root.report_dead_peers(what)
+                dead = root.dead_peers()
+                if dead and not poll():  # (a peer that finished may have sent what we wait for)
+                    root.report_dead_peers(dead, what)
                 next_status_check = now + 0.1
             if waited > self.stall_timeout and not shared.someone_reporting(now):
                 raise PipelineStallError(
@@ -353,7 +354,7 @@ class Communicator:
         host = peers[self.rank][0]
         return [r for r, (h, pid) in enumerate(peers) if h == host and r != self.rank and not _alive(pid)]
 
-    def report_dead_peers(self, what: str) -> None:
+    def report_dead_peers(self, dead: list[int], what: str) -> None:
         """Raises :class:`PipelineStallError` naming the ranks of this host whose process has gone.
 
         A rank elsewhere that dies is found by the stall timeout. Every
@@ -361,9 +362,6 @@ class Communicator:
         others, asked by it for their status, leave the report to it.
         """
         shared = self._shared
-        dead = self.dead_peers()
-        if not dead:
-            return
         now = time.monotonic()
         shared.dead_since = shared.dead_since or now
         if now - shared.dead_since < 0.2 * self.rank or shared.someone_reporting(now):

@@ -133,15 +133,19 @@ class StageCompute:
         self.why_recorded = reasons[0] if reasons else None
         self.steps = replay.steps_of(self.layers) if self.split else []
         self.has_weight_regularizers = any(v.regularizer is not None for v in self.trainable_variables)
-        self._generators = [g for layer in self.layers for g in compat.seed_generators(layer)]
+        # what a recomputed forward reads (the random generators' state) and updates (the rest)
+        self._generator_states = [
+            compat.variable_handle(g.state) for layer in self.layers for g in compat.seed_generators(layer)
+        ]
         self._deferred_norms = [
             sub
             for layer in self.layers
             for sub in compat.sublayers(layer)
             if isinstance(sub, DeferredBatchNormalization)
         ]
-        self._stateful = [compat.variable_handle(v) for layer in self.layers for v in layer.non_trainable_variables]
-        self._stateful += [v for norm in self._deferred_norms for v in norm.step_variables()]
+        stateful = [compat.variable_handle(v) for layer in self.layers for v in layer.non_trainable_variables]
+        stateful += [v for norm in self._deferred_norms for v in norm.step_variables()]
+        self._forward_updates = [v for v in stateful if all(v is not g for g in self._generator_states)]
         self.gradients = GradientSum(self.trainable_variables, self._program)
         self._programs: dict = {}
         self._kept: dict = {}  # micro-batch -> what its backward needs
@@ -396,7 +400,7 @@ class StageCompute:
         return float(self._program("squared_norm", squares)(*grads))
 
     def _random_state(self) -> list:
-        return [tf.identity(compat.variable_handle(g.state)) for g in self._generators]
+        return [tf.identity(v) for v in self._generator_states]
 
     def _rerun(self, x, states):
         """The forward of a recomputed micro-batch again, under a tape, with the random state it first had.
@@ -404,9 +408,8 @@ class StageCompute:
         Every other variable a forward may update (a BatchNormalization's moving
         statistics) is put back afterwards: the rerun must leave no trace.
         """
-        generators = [compat.variable_handle(g.state) for g in self._generators]
+        generators, others = self._generator_states, self._forward_updates
         now = [tf.identity(v) for v in generators]
-        others = [v for v in self._stateful if all(v is not g for g in generators)]
         before = [tf.identity(v) for v in others]
         for variable, value in zip(generators, states):
             variable.assign(value)
@@ -465,14 +468,19 @@ def _sources(value) -> list:
     """
     if isinstance(value, Masked):
         return [value.tensor]
-    if not isinstance(value, (tuple, list, dict)):
+    if not _several(value):
         return [value]
     return [t for t in tf.nest.flatten(value) if t.dtype.is_floating]
 
 
 def _input_gradient(x, grads: list):
     """What the previous stage receives: a tensor, or a list where its output is a structure."""
-    return list(grads) if isinstance(x, (tuple, list, dict)) and not isinstance(x, Masked) else grads[0]
+    return list(grads) if _several(x) else grads[0]
+
+
+def _several(value) -> bool:
+    """Whether a stage's input or output is a structure of tensors (a ``Masked`` tensor is one tensor)."""
+    return isinstance(value, (tuple, list, dict)) and not isinstance(value, Masked)
 
 
 def _scaled(grad, scale):

@@ -310,9 +310,15 @@ def _global_clipnorm(optimizer):
 
 
 def loss_scale(optimizer) -> float:
-    """What the optimizer multiplies the loss by before gradients are taken (``mixed_float16``'s loss scale)."""
+    """What the optimizer multiplies the loss by before gradients are taken (``mixed_float16``'s loss scale).
+
+    1 without an op for an optimizer that scales nothing (the common case: this runs every step).
+    """
     if not hasattr(optimizer, "scale_loss"):
         return 1.0
+    plain = getattr(type(optimizer), "scale_loss", None) is keras.optimizers.Optimizer.scale_loss
+    if plain and optimizer.loss_scale_factor is None:
+        return 1.0  # what Keras' scale_loss would return
     return float(optimizer.scale_loss(tf.constant(1.0, tf.float32)))
 
 

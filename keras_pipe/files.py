@@ -80,8 +80,7 @@ def atomic_path(filepath):
         with contextlib.suppress(OSError):
             os.remove(temporary)
         raise
-    directory, name = os.path.split(filepath)
-    for stale in glob.glob(os.path.join(glob.escape(directory), os.path.basename(_partial(glob.escape(name), "*")))):
+    for stale in glob.glob(_partial(glob.escape(filepath), "*")):
         with contextlib.suppress(OSError):
             os.remove(stale)  # left by a writer that was killed
 

@@ -54,9 +54,9 @@ class Links:
     def receive_activation(self, rows: int):
         """The previous stage's output (a structure where it is one); ``Masked`` where a Keras mask rides with it."""
         tensors = [self._receive(self.stage - 1, TAG_ACTIVATION, spec, rows) for spec in self.input_specs]
-        x = tensors[0] if isinstance(self.input_template, keras.KerasTensor) else None
-        if x is None:
+        if not isinstance(self.input_template, keras.KerasTensor):
             return tf.nest.pack_sequence_as(self.input_template, tensors)
+        x = tensors[0]
         if self.input_mask is None:
             return x
         mask = self._receive(self.stage - 1, TAG_ACTIVATION, (self.input_mask, "uint8"), rows)
