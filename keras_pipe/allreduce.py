@@ -45,6 +45,10 @@ class ReplicaReducer:
                 results[index] = self._gather_slices(grad)
         return results
 
+    def sum_values(self, values: np.ndarray) -> np.ndarray:
+        """A small float64 vector summed over the replicas (a count of the batch, say)."""
+        return self.comm.allreduce_sum(values)
+
     def _gather_slices(self, grad: tf.IndexedSlices) -> tf.IndexedSlices:
         values = np.ascontiguousarray(grad.values.numpy())
         indices = np.ascontiguousarray(grad.indices.numpy().astype(np.int64))

@@ -175,22 +175,55 @@ class StageCompute:
         """
         if not training:
             return self._program(("forward", False), lambda x: self._chain(x, False)[:2])(x)
-        if recompute:
-            states = self._random_state()
-            y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
-            self._kept[i] = _Rerun(x, states)
-            return y, activity
-        if self.split:
+        if self.split and not recompute:
             y, activity, inputs, seeds = self._program(("forward", True), lambda x: self._chain(x, True, keep=True))(x)
             self._kept[i] = (inputs, seeds)
             return y, activity
+        program = self._program(("forward", True), lambda x: self._chain(x, True)[:2])
+        return self._recorded(i, program, x, (), recompute, lambda out: [*_sources(out[0]), out[1]])
+
+    def forward_head(self, i: int, loss_fn, reduction: str, x, y, sample_weight, training: bool, recompute=False):
+        """Last stage, a masked output under a mean loss: ``(summed loss, denominator, y_pred, activity)``.
+
+        Keras divides a masked output's loss by the count of its unmasked
+        entries (``sum_over_batch_size``) or by their summed sample weights
+        (``mean_with_sample_weight``), counted over the batch. A micro-batch
+        holds only part of that count, so this returns its loss times its own
+        denominator (the sum of its entries' losses) and the denominator; the
+        backward (recorded) then seeds the sum with one over the whole batch's
+        denominator, known only after every micro-batch's forward (see
+        :func:`keras_pipe.schedule.gpipe`'s ``whole_batch_loss``). ``y_pred``
+        is ``Masked``, for the metrics.
+        """
+
+        def head(x, y, sample_weight):
+            y_pred, activity = self._chain(x, training)[:2]
+            mask = compat.get_mask(y_pred)
+            loss = tf.cast(loss_fn(y, y_pred, sample_weight), tf.float32)
+            denominator = loss_denominator(mask, sample_weight, reduction)
+            return loss * denominator, denominator, _prediction(y_pred), activity
+
+        program = self._program(("forward_head", id(loss_fn), reduction, training), head)
+        if not training:
+            return program(x, y, sample_weight)
+        return self._recorded(i, program, x, (y, sample_weight), recompute, lambda out: [out[0], out[3]])
+
+    def _recorded(self, i: int, program, x, args: tuple, recompute: bool, differentiated):
+        """Runs ``program(x, *args)`` for a recorded backward: under a tape, or keeping only its input.
+
+        ``differentiated(outputs)`` picks the outputs the backward seeds
+        (the stage output's floating-point tensors and the activity loss).
+        """
+        if recompute:
+            self._kept[i] = _Rerun(x, self._random_state(), program, args, differentiated)
+            return program(x, *args)
         tape = tf.GradientTape()
         with tape:
             if not self.is_first:
                 tape.watch(_sources(x))
-            y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
-        self._kept[i] = (tape, x, [*_sources(y), activity])
-        return y, activity
+            outputs = program(x, *args)
+        self._kept[i] = (tape, x, differentiated(outputs))
+        return outputs
 
     def _chain(self, x, training: bool, keep: bool = False):
         if self.split:
@@ -214,7 +247,7 @@ class StageCompute:
 
         def evaluate(x, y, sample_weight, scales):
             y_pred, activity = self._chain(x, False)[:2]
-            return _weighted(loss_fn(y, y_pred, sample_weight), activity, scales), y_pred
+            return _weighted(loss_fn(y, y_pred, sample_weight), activity, scales), _prediction(y_pred)
 
         return self._program(("forward_loss", id(loss_fn)), evaluate)(x, y, sample_weight, scales)
 
@@ -254,7 +287,7 @@ class StageCompute:
             if need_input:
                 dx = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[: len(inputs)], inputs)]
                 dx = _input_gradient(x, dx)
-            return loss, y_pred, _or_empty(dx), self.gradients.add_in_graph(grads[len(inputs) :])
+            return loss, _prediction(y_pred), _or_empty(dx), self.gradients.add_in_graph(grads[len(inputs) :])
 
         self.gradients.prepare()
         loss, y_pred, dx, sparse = self._program(
@@ -277,7 +310,7 @@ class StageCompute:
             self._for_weights[i] = parts
             return dx if need_input else None
         kept = self._kept.pop(i)
-        tape, x, outputs = self._rerun(*kept) if isinstance(kept, _Rerun) else kept
+        tape, x, outputs = self._rerun(kept) if isinstance(kept, _Rerun) else kept
         inputs = _sources(x) if need_input else []
         sources = inputs + self.trainable_variables
         output_grads = (grad if isinstance(grad, list) else [grad]) + [tf.constant(activity_scale, tf.float32)]
@@ -402,7 +435,7 @@ class StageCompute:
     def _random_state(self) -> list:
         return [tf.identity(v) for v in self._generator_states]
 
-    def _rerun(self, x, states):
+    def _rerun(self, rerun: _Rerun):
         """The forward of a recomputed micro-batch again, under a tape, with the random state it first had.
 
         Every other variable a forward may update (a BatchNormalization's moving
@@ -411,16 +444,16 @@ class StageCompute:
         generators, others = self._generator_states, self._forward_updates
         now = [tf.identity(v) for v in generators]
         before = [tf.identity(v) for v in others]
-        for variable, value in zip(generators, states):
+        for variable, value in zip(generators, rerun.states):
             variable.assign(value)
         tape = tf.GradientTape()
         with tape:
             if not self.is_first:
-                tape.watch(_sources(x))
-            y, activity = self._program(("forward", True), lambda x: self._chain(x, True)[:2])(x)
+                tape.watch(_sources(rerun.x))
+            outputs = rerun.program(rerun.x, *rerun.args)
         for variable, value in zip(generators + others, now + before):
             variable.assign(value)
-        return tape, x, [*_sources(y), activity]
+        return tape, rerun.x, rerun.differentiated(outputs)
 
     def begin_step(self) -> None:
         """Before a training step: deferred batch norms start summing the batch's statistics."""
@@ -443,10 +476,34 @@ RECOMPUTE = ("never", "except_last", "always")
 
 
 class _Rerun(NamedTuple):
-    """What a recomputed micro-batch keeps until its backward: its input and the random generators' state."""
+    """What a recomputed micro-batch keeps until its backward: its input and the random generators' state.
+
+    Its forward runs again as ``program(x, *args)``; ``differentiated`` picks the outputs the backward seeds.
+    """
 
     x: object
     states: list
+    program: object
+    args: tuple
+    differentiated: object
+
+
+def loss_denominator(mask, sample_weight, reduction: str):
+    """What Keras divides the summed loss of a masked output by: its unmasked entries, or their weights.
+
+    As ``keras.losses.Loss`` with a mask: ``sum_over_batch_size`` (and
+    ``mean``) divides by the count of unmasked entries, ``mean_with_sample_weight``
+    by the sum of their sample weights; ``sum`` divides by nothing (1).
+    """
+    if reduction == "sum":
+        return tf.constant(1.0, tf.float32)
+    mask = tf.cast(mask, tf.float32)
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        weights = tf.cast(sample_weight, tf.float32)
+        while weights.shape.rank < mask.shape.rank:  # one weight per row, over its entries
+            weights = weights[..., None]
+        return tf.reduce_sum(weights * mask)
+    return tf.reduce_sum(mask)
 
 
 def check_recompute(value) -> None:
@@ -481,6 +538,12 @@ def _input_gradient(x, grads: list):
 def _several(value) -> bool:
     """Whether a stage's input or output is a structure of tensors (a ``Masked`` tensor is one tensor)."""
     return isinstance(value, (tuple, list, dict)) and not isinstance(value, Masked)
+
+
+def _prediction(y_pred):
+    """The model's output, ``Masked`` where it carries a Keras mask: the metrics need the mask, as the loss does."""
+    mask = compat.get_mask(y_pred)
+    return y_pred if mask is None else Masked(y_pred, tf.cast(mask, tf.bool))
 
 
 def _scaled(grad, scale):

@@ -27,7 +27,7 @@ from keras_pipe.consistency import StepAgreement
 from keras_pipe.devices import check_all_ranks, try_configure_gpus
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.executor import Batch, Executor
-from keras_pipe.links import Links
+from keras_pipe.links import Links, Masked
 from keras_pipe.logs import LogSharing
 from keras_pipe.microbatch import microbatch_bounds, replica_bounds
 from keras_pipe.profile import balance_by_time
@@ -171,14 +171,21 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------
 
-    def actions(self, phase: str, num_microbatches: int) -> list:
-        """This stage's actions for a batch of ``num_microbatches`` (resolved once per configuration)."""
-        key = (phase, num_microbatches, self.compute.split)
+    def actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool = False) -> list:
+        """This stage's actions for a batch of ``num_microbatches`` (resolved once per configuration).
+
+        ``whole_batch_loss`` (a mean loss over a masked output) trains in
+        GPipe's order whatever the schedule: the last stage must count the
+        whole batch's unmasked entries before its first backward.
+        """
+        key = (phase, num_microbatches, self.compute.split, whole_batch_loss)
         if key not in self._schedules:
+            split = self.compute.split or schedule.needs_split_backward(self.schedule)
             if phase != "train":
                 plan = schedule.forward_only(self.num_stages, num_microbatches)
+            elif whole_batch_loss:
+                plan = schedule.gpipe(self.num_stages, num_microbatches, self.compute.split, whole_batch_loss=True)
             else:
-                split = self.compute.split or schedule.needs_split_backward(self.schedule)
                 plan = schedule.make_schedule(self.schedule, self.num_stages, num_microbatches, split)
             actions = plan[self.stage]
             if phase == "train" and not self.compute.split:
@@ -211,23 +218,40 @@ class Engine:
             loss_reduction=loss_reduction,
             optimizer=optimizer,
             regularize=self.replica == 0 and phase != "predict",
+            whole_batch_loss=phase != "predict" and self.whole_batch_loss(loss_reduction),
         )
-        actions = self.actions(phase, len(bounds)) if bounds else []
+        actions = self.actions(phase, len(bounds), batch.whole_batch_loss) if bounds else []
         result = self.executor.run(actions, batch)
         if not self.is_last:
             return result.loss_part, None
-        if result.predictions:
-            y_pred = tf.concat(result.predictions, axis=0)
+        predictions = result.predictions or [self._no_predictions(phase)]  # (a replica with no share)
+        if isinstance(predictions[0], Masked):  # with the output's Keras mask, for the metrics
+            y_pred = Masked(*(tf.concat(parts, axis=0) for parts in zip(*predictions)))
         else:
-            shape, dtype = self.output_spec()
-            y_pred = tf.zeros((0,) + tuple(shape[1:]), dtype)
+            y_pred = tf.concat(predictions, axis=0)
         return result.loss_part, self.gather_replicas(y_pred, batch_size)
 
+    def _no_predictions(self, phase: str):
+        shape, dtype = self.output_spec()
+        y_pred = tf.zeros((0,) + tuple(shape[1:]), dtype)
+        mask = self.specs[-1].output_mask_shape
+        if mask is None or phase == "predict":
+            return y_pred
+        return Masked(y_pred, tf.zeros((0,) + tuple(mask[1:]), tf.bool))
+
+    def whole_batch_loss(self, loss_reduction) -> bool:
+        """Whether the loss is a mean over a masked output's entries (see ``Executor``): counted over the batch."""
+        masked = self.specs is not None and self.specs[-1].output_mask_shape is not None
+        return masked and loss_reduction is not None and loss_reduction != "sum"
+
     def gather_replicas(self, y_pred, batch_size: int):
-        """Last stage: the whole global batch's predictions, from every replica's share, in order."""
+        """Last stage: the whole global batch's predictions (``Masked`` ones too), every replica's share, in order."""
         if self.replicas is None:
             return y_pred
         counts = [stop - start for start, stop in replica_bounds(batch_size, self.num_replicas)]
+        if isinstance(y_pred, Masked):
+            mask = self.replicas.allgather_rows(y_pred.mask.numpy().astype(np.uint8), counts)
+            return Masked(self.gather_replicas(y_pred.tensor, batch_size), tf.convert_to_tensor(mask.astype(bool)))
         return tf.convert_to_tensor(self.replicas.allgather_rows(y_pred.numpy(), counts))
 
     def output_spec(self):

@@ -50,12 +50,20 @@ class Batch:
     loss_reduction: str | None = None
     optimizer: Any = None
     regularize: bool = False  # count the weight regularizers (one replica does)
+    # The loss is a mean over a masked output's entries: the last stage sums each micro-batch's
+    # loss and counts its entries, and seeds its backwards once the whole batch is counted.
+    whole_batch_loss: bool = False
 
 
 @dataclass
 class StepResult:
     loss_part: float = 0.0  # this stage's share of the batch loss
     predictions: list = field(default_factory=list)  # last stage: per micro-batch
+    # last stage, whole_batch_loss: the summed loss and the denominator of this replica's micro-batches
+    # and, once counted, the whole global batch's denominator
+    summed_loss: float = 0.0
+    denominator: float = 0.0
+    batch_denominator: float | None = None
 
 
 class Executor:
@@ -128,6 +136,10 @@ class Executor:
         start, stop = batch.bounds[i]
         x = self._input(batch, i)
         began = time.perf_counter()
+        if self.is_last and batch.whole_batch_loss:
+            self._forward_head(i, x, batch, result)
+            self._span("forward", i, began)
+            return
         if self.is_last and batch.phase == "test":
             loss, y_pred = self.compute.forward_loss(batch.loss_fn, x, *self._targets(batch, i), self._scales(batch, i))
             result.loss_part += float(loss)
@@ -147,6 +159,19 @@ class Executor:
             self.links.send_activation(y)
             self._span("send activation", i, began)
 
+    def _forward_head(self, i: int, x, batch: Batch, result: StepResult) -> None:
+        """Last stage, ``whole_batch_loss``: a forward that sums the micro-batch's loss and counts its entries."""
+        start, stop = batch.bounds[i]
+        training = batch.phase == "train"
+        recompute = training and self.compute.recomputes(i, len(batch.bounds))
+        summed, denominator, y_pred, activity = self.compute.forward_head(
+            i, batch.loss_fn, batch.loss_reduction, x, *self._targets(batch, i), training, recompute
+        )
+        result.summed_loss += float(summed)
+        result.denominator += float(denominator)
+        result.loss_part += float(activity) * (stop - start) / batch.batch_size
+        result.predictions[i] = y_pred
+
     def _forward_backward(self, action, position, batch, result):
         i = action.microbatch
         x = self._input(batch, i)
@@ -163,7 +188,11 @@ class Executor:
         i = action.microbatch
         start, stop = batch.bounds[i]
         began = time.perf_counter()
-        grad = self.links.receive_gradient(stop - start)
+        if self.is_last:  # whole_batch_loss: the seed of the micro-batch's summed loss
+            denominator = self._batch_denominator(batch, result)
+            grad = tf.constant(self._loss_scale / denominator if denominator else 0.0, tf.float32)
+        else:
+            grad = self.links.receive_gradient(stop - start)
         self._span("receive gradient", i, began)
         began = time.perf_counter()
         dx = self.compute.backward(i, grad, (stop - start) / batch.batch_size * self._loss_scale)
@@ -191,6 +220,9 @@ class Executor:
         compute = self.compute
         training = batch.phase == "train"
         self._count_regularization(batch, result, before_actions=False)
+        if self.is_last and batch.whole_batch_loss:
+            denominator = self._batch_denominator(batch, result)
+            result.loss_part += result.summed_loss / denominator if denominator else 0.0
         if not training:
             return
         if not compute.trainable_variables:
@@ -236,6 +268,20 @@ class Executor:
                 else self.compute.add_regularization(self._loss_scale)
             )
             result.loss_part += float(loss)
+
+    def _batch_denominator(self, batch: Batch, result: StepResult) -> float:
+        """Last stage, ``whole_batch_loss``: the global batch's denominator, summed over replicas once per step.
+
+        Every replica's last stage asks once per step, at its first backward
+        or else (evaluation, or a replica with no share) at the end of the step.
+        """
+        if result.batch_denominator is None:
+            total = result.denominator
+            if self.reducer is not None:
+                self.status.doing = f"{batch.phase} step {self.step}, {self.where}: counting the masked loss's entries"
+                total = self.reducer.sum_values(np.array([total], np.float64))[0]
+            result.batch_denominator = float(total)
+        return result.batch_denominator
 
     # -- helpers -------------------------------------------------------------------
 

@@ -15,10 +15,12 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_pipe import compat
 from keras_pipe.comm import Communicator
 from keras_pipe.compute import Program
+from keras_pipe.links import Masked
 
 
 class LogSharing:
@@ -113,6 +115,9 @@ class ModelLogs:
         if self._update[0] is not metrics:
 
             def update(y, y_pred, sample_weight):
+                if isinstance(y_pred, Masked):  # Keras' metrics read the output's mask from the tensor
+                    y_pred, mask = tf.identity(y_pred.tensor), y_pred.mask
+                    compat.set_mask(y_pred, mask)
                 metrics.update_state(y, y_pred, sample_weight)
                 return self._results()
 

@@ -63,7 +63,10 @@ class PipelineModel(SavingMethods, keras.Model):
             stages' parameter counts; ``"time"`` measures each layer's forward
             and backward time on a sample micro-batch and balances time.
         schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"zb-h1"`` (see
-            :mod:`keras_pipe.schedule`). All give the same training result.
+            :mod:`keras_pipe.schedule`). All give the same training result. A
+            model whose output carries a Keras mask, under a mean loss, trains
+            in GPipe's order whatever this says (its loss is a mean over the
+            whole batch's unmasked entries, counted before any backward).
         num_stages: stages per pipeline. With ``W`` ranks, ``W / num_stages``
             replicas of the pipeline each train on their share of every
             batch and sum their gradients before each update (data

@@ -97,11 +97,17 @@ def act(kind: Kind, *microbatches: int) -> Action:
     return Action(kind, tuple(microbatches))
 
 
-def gpipe(num_stages: int, num_microbatches: int, split_backward: bool = False) -> list[list[Action]]:
+def gpipe(
+    num_stages: int, num_microbatches: int, split_backward: bool = False, whole_batch_loss: bool = False
+) -> list[list[Action]]:
     """All forwards, then all backwards (GPipe).
 
     Every stage but the last keeps the activations of all ``m``
-    micro-batches alive; the last one runs each backward with its forward.
+    micro-batches alive; the last one runs each backward with its forward,
+    unless ``whole_batch_loss``: then it too runs all its forwards first,
+    because its loss needs the whole batch before any backward (the mean of
+    a masked output is over the batch's unmasked entries, counted only by
+    the forwards).
 
     ```
     # GPipe, 3 stages, 4 micro-batches:
@@ -117,11 +123,13 @@ def gpipe(num_stages: int, num_microbatches: int, split_backward: bool = False) 
     ['F0', 'F1', 'B0', 'B1']
     >>> [str(a) for a in gpipe(2, 2, split_backward=True)[1]]
     ['FI0', 'FI1', 'W0-1']
+    >>> [str(a) for a in gpipe(2, 2, whole_batch_loss=True)[1]]
+    ['F0', 'F1', 'B0', 'B1']
     """
     _check(num_stages, num_microbatches)
     m = num_microbatches
     stage = [act(FORWARD, i) for i in range(m)] + [act(BACKWARD, i) for i in range(m)]
-    last = [act(FORWARD_BACKWARD, i) for i in range(m)]
+    last = list(stage) if whole_batch_loss else [act(FORWARD_BACKWARD, i) for i in range(m)]
     return _split([list(stage) for _ in range(num_stages - 1)] + [last], split_backward)
 
 

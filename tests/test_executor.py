@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from keras_pipe.executor import Batch, Executor
-from keras_pipe.schedule import make_schedule
+from keras_pipe.schedule import gpipe, make_schedule
 
 
 class FakeGradients:
@@ -169,3 +169,37 @@ def test_a_failing_action_leaves_nothing_behind():
         executor.run(make_schedule("1f1b", 2, 1)[0], batch)
     assert log[-1] == "forget"
     assert executor.step == 1
+
+
+def test_a_masked_mean_loss_is_seeded_once_the_whole_batch_is_counted():
+    # Micro-batches of 2 and 6 unmasked entries, losses 1.0 and 0.5 per entry:
+    # the batch's loss is (2 * 1.0 + 6 * 0.5) / 8, and each micro-batch's summed
+    # loss is seeded with 1/8, not weighted by its rows.
+    class Counting(FakeCompute):
+        def forward_head(self, i, loss_fn, reduction, x, y, sample_weight, training, recompute=False):
+            self.log.append(f"F{i}")
+            denominator = [2.0, 6.0][i]
+            return [1.0, 0.5][i] * denominator, denominator, np.zeros(1), 0.0
+
+        def backward(self, i, grad, scale):
+            self.log.append(f"B{i} seed {float(grad)}")
+            return np.zeros(1)
+
+    log = []
+    executor = Executor(Counting(log, False), FakeLinks(log), None, False, True, Status(), "stage 1")
+    batch = Batch(
+        phase="train",
+        batch_size=8,
+        bounds=[(0, 4), (4, 8)],
+        x=np.zeros((8, 1)),
+        y=np.zeros(8),
+        optimizer="adam",
+        whole_batch_loss=True,
+    )
+    result = executor.run(gpipe(2, 2, whole_batch_loss=True)[1], batch)
+    assert log == [
+        "receive activation", "F0", "receive activation", "F1",
+        "B0 seed 0.125", "send gradient", "B1 seed 0.125", "send gradient",
+        "update",
+    ]  # fmt: skip
+    assert result.loss_part == pytest.approx(5.0 / 8)

@@ -10,6 +10,7 @@ CASES = [
     "float16",
     "float16-overflow",
     "masks",
+    "masked-outputs",
     "recompute",
     "deferred-batchnorm",
     "several-tensors",

@@ -41,6 +41,14 @@ def test_gpipe_runs_all_forwards_then_backwards_in_order():
     assert format_actions(gpipe(3, 3)[2]) == "FB0 FB1 FB2"
 
 
+def test_a_whole_batch_loss_runs_every_forward_of_the_last_stage_first():
+    # A masked output's mean loss divides by the batch's unmasked entries: the
+    # last stage counts them in its forwards before its first backward.
+    plan = gpipe(3, 3, whole_batch_loss=True)
+    assert [format_actions(a) for a in plan] == ["F0 F1 F2 B0 B1 B2"] * 3
+    assert makespan(plan, {FORWARD: 1, BACKWARD: 1}) == 2 * (3 + 3 - 1)  # no longer than GPipe
+
+
 def test_split_backward_runs_one_batched_weight_pass_at_the_end():
     assert [format_actions(a) for a in one_f_one_b(2, 3, split_backward=True)] == [
         "F0 F1 I0 F2 I1 I2 W0-2",

@@ -5,7 +5,8 @@ per rank and case. Cases: ``clipnorm`` (global_clipnorm that clips, one pipeline
 ``clipnorm-replicas`` (the same, 2 stages x P/2 replicas), ``bfloat16``,
 ``float16`` (mixed precision with loss scaling), ``float16-overflow`` (a step whose
 gradients overflow on stage 0 only is skipped on every stage), ``masks`` (a padding
-mask crosses each boundary of a masked LSTM stack), ``recompute`` (activation
+mask crosses each boundary of a masked LSTM stack), ``masked-outputs`` (a per-token
+tagger's loss and metrics skip the masked entries of the whole batch), ``recompute`` (activation
 recomputation with dropout and batch normalization changes nothing),
 ``deferred-batchnorm`` (moving statistics of the whole batch, not the last micro-batch),
 ``several-tensors`` (a skip connection crosses boundaries as a tuple of two tensors).
@@ -35,7 +36,7 @@ def mlp():
     ]
 
 
-def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, **pipeline_args):
+def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, evaluate=False, **pipeline_args):
     inputs, labels, weights = data or (x, y, sw)
     keras.utils.set_random_seed(3)
     reference = keras.Sequential(chain())
@@ -54,6 +55,11 @@ def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, **pipe
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), f"{case} weight {i}", rtol, atol)
     steps = (int(model.optimizer.iterations), int(reference.optimizer.iterations))
     assert steps[0] == steps[1] > 0, f"{case}: optimizer steps {steps}"
+    if not evaluate:
+        return reference, initial
+    evaluated = [model.evaluate(inputs, labels, sample_weight=weights, batch_size=48, verbose=0)]
+    evaluated.append(reference.evaluate(inputs, labels, sample_weight=weights, batch_size=48, verbose=0))
+    assert_close(*evaluated, f"{case} evaluate", rtol, atol)
     return reference, initial
 
 
@@ -112,6 +118,39 @@ def masks(case):
     splits = {2: [[1, 4], [2, 3], [3, 2]], 3: [[1, 1, 3], [2, 1, 2]], 4: [[1, 1, 1, 2]]}.get(SIZE, [None])
     for balance in splits:
         compare(case, chain, adam, (1e-5, 1e-5), (tokens, y, sw), num_microbatches=2, balance=balance)
+
+
+def masked_outputs(case):
+    """A per-token tagger: the loss and the metrics see the output's padding mask, as Sequential's do."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(1, 20, size=(96, 10))
+    lengths = rng.integers(2, 11, size=96)  # so each micro-batch holds its own count of unmasked entries
+    tokens[np.arange(10)[None, :] >= lengths[:, None]] = 0
+    tags = rng.integers(0, 3, size=(96, 10))
+    token_weights = rng.uniform(0.5, 1.5, size=(96, 10)).astype("float32")
+
+    def chain():
+        return [
+            keras.Input((10,), dtype="int32"),
+            keras.layers.Embedding(20, 8, mask_zero=True),
+            keras.layers.LSTM(8, return_sequences=True),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+
+    def adam(reduction="sum_over_batch_size"):
+        return lambda: dict(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(reduction=reduction),
+            metrics=["sparse_categorical_accuracy", keras.metrics.SparseCategoricalCrossentropy(name="xent")],
+        )
+
+    balance = {1: None, 2: [2, 2], 3: [1, 2, 1], 4: [1, 1, 1, 1]}[SIZE]
+    data = (tokens, tags, token_weights)
+    compare(case, chain, adam(), (1e-5, 1e-5), data, True, num_microbatches=3, balance=balance, schedule="1f1b")
+    stages = SIZE // 2 if SIZE % 2 == 0 else None  # replicas where the ranks allow
+    for reduction in ("mean_with_sample_weight", "sum"):
+        compare(case, chain, adam(reduction), (1e-5, 1e-5), data, True, num_microbatches=2, num_stages=stages)
 
 
 def recompute(case):
@@ -297,6 +336,7 @@ CASES = {
     "float16": precision,
     "float16-overflow": overflow,
     "masks": masks,
+    "masked-outputs": masked_outputs,
     "recompute": recompute,
     "deferred-batchnorm": deferred_batchnorm,
     "several-tensors": several_tensors,
