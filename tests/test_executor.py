@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from keras_pipe.executor import Batch, Executor
+from keras_pipe.executor import Batch, Executor, clip_scale, whole_model_scale
 from keras_pipe.schedule import gpipe, make_schedule
 
 
@@ -203,3 +203,9 @@ def test_a_masked_mean_loss_is_seeded_once_the_whole_batch_is_counted():
         "update",
     ]  # fmt: skip
     assert result.loss_part == pytest.approx(5.0 / 8)
+
+
+def test_the_whole_models_gradient_scale():
+    assert clip_scale(16.0, 2.0) == 0.5  # norm 4 clipped to 2
+    assert clip_scale(1.0, 2.0) == 1.0
+    assert str(whole_model_scale(None, float("inf"), 1.0)) == "nan"  # a non-finite stage: every stage skips

@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from keras_pipe.executor import clip_scale, whole_model_scale
 from keras_pipe.files import atomic_path, describe_unreadable, partial_path, suffix_of
 
 
@@ -43,9 +42,3 @@ def test_a_damaged_file_is_described_as_such_not_as_missing(tmp_path):
     junk.write_bytes(b"x" * 10)
     assert "exists (10 bytes) but is not a readable .weights.h5 file" in describe_unreadable(junk, OSError("x"))
     assert "does not exist" in describe_unreadable(tmp_path / "none.keras", ValueError("File not found"))
-
-
-def test_the_whole_models_gradient_scale():
-    assert clip_scale(16.0, 2.0) == 0.5  # norm 4 clipped to 2
-    assert clip_scale(1.0, 2.0) == 1.0
-    assert str(whole_model_scale(None, float("inf"), 1.0)) == "nan"  # a non-finite stage: every stage skips
