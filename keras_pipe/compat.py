@@ -9,6 +9,8 @@ the missing attribute, when a Keras or TensorFlow upgrade removes one.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -187,6 +189,27 @@ def set_mask(tensor, mask) -> None:
     set_keras_mask(tensor, mask)
 
 
+@contextlib.contextmanager
+def unallocated_scope():
+    """A ``keras.StatelessScope`` whose new variables are never allocated (Keras' ``global_state``
+    ``"uninitialized_variables"`` list, Keras 3.0-3.15).
+
+    Why: the shape probe builds a copy of every layer. A plain
+    ``StatelessScope`` allocates the variables created inside it on exit, and
+    ``initialize_variables=False`` leaves them on a list the next scope
+    allocates: either way the whole model's weights on every rank, which a
+    pipeline exists to avoid. This scope takes them off the list again.
+    """
+    from keras.src.backend.common import global_state
+
+    before = list(global_state.get_global_attribute("uninitialized_variables") or [])
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute("uninitialized_variables", before)
+
+
 def check() -> None:
     """Raises ``AttributeError`` naming each internal above that this Keras/TensorFlow lacks."""
     layer = keras.layers.Dropout(0.5)
@@ -213,6 +236,8 @@ def check() -> None:
         _ = file_utils().exists
         global_seed()
         get_mask(tf.zeros(1))
+        with unallocated_scope():
+            pass
     except (ImportError, AttributeError) as error:
         missing.append(str(error))
     concrete = tf.function(lambda x: x + 1).get_concrete_function(tf.TensorSpec((), tf.float32))

@@ -2,8 +2,9 @@
 
 Every rank knows the whole model's shapes without creating the weights of
 layers it does not own: each layer's output shape and parameter count come
-from a throw-away copy built inside a ``StatelessScope``, where Keras defers
-variable initialisation, so no memory is allocated for other stages' weights.
+from a throw-away copy built symbolically inside a ``StatelessScope`` whose
+variables are never allocated (:func:`keras_pipe.compat.unallocated_scope`),
+so no memory is spent on other stages' weights, not even for a moment.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def infer_specs(layers: Sequence[keras.layers.Layer], input_shape: tuple, input_
     for index, layer in enumerate(layers):
         probe = shadow_copy(layer)
         try:
-            with keras.StatelessScope():
+            # Symbolic, and the probe's weights are never allocated: a rank must
+            # not hold the whole model's weights, even for a moment.
+            with compat.unallocated_scope():
                 y = probe(x) if probe is not None else layer.compute_output_spec(x)
                 if probe is not None:
                     mask = compat.get_mask(y)

@@ -46,6 +46,23 @@ def test_specs_without_creating_weights():
     assert not any(layer.weights for layer in layers), "probing must not build the real layers"
 
 
+def _resident_gib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 2**20
+
+
+def test_specs_allocate_none_of_the_weights():
+    # 4 x Dense(8192): 1 GiB of weights, which Keras' plain StatelessScope
+    # allocates when it exits; every rank probes every layer.
+    layers = [keras.layers.Dense(8192) for _ in range(4)]
+    before = _resident_gib()
+    specs = infer_specs(layers, (None, 8192), "float32")
+    with keras.StatelessScope():  # a later scope must not allocate them either
+        pass
+    assert sum(s.num_params for s in specs) == 4 * (8192 * 8192 + 8192)
+    assert _resident_gib() - before < 0.25
+
+
 def test_balance_by_params_spreads_the_cost():
     specs = infer_specs(seed_layers(), (None, 28, 28), "float32")
     assert balance_by_params(specs, 1) == [6]
