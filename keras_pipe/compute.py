@@ -61,23 +61,31 @@ class Program:
         if concrete is None:
             concrete = self._trace(key, args)
         flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(args, expand_composites=True) if a is not None]
-        if self.compiled_with_xla is None and self.xla is not None:
-            try:
-                result = compat.call_concrete(concrete, flat)
-                self.compiled_with_xla = True
-                return result
-            except _XLA_REFUSALS:
-                self.xla = None  # this stage's layers do not compile with XLA: plain graphs from now on
-                self._concrete.clear()
-                concrete = self._trace(key, args)
-        if self.compiled_with_xla is None:
-            self.compiled_with_xla = self.xla is not None
-        return compat.call_concrete(concrete, flat)
+        if self.xla is None:
+            return compat.call_concrete(concrete, flat)
+        try:
+            result = compat.call_concrete(concrete, flat)
+        except _XLA_REFUSALS as error:
+            # XLA refuses the stage's layers: on the first call, or on the first under a gradient
+            # tape (TensorFlow then compiles the forward with what its gradient needs, an LSTM's
+            # TensorList say). Plain graphs from now on.
+            if self.compiled_with_xla and not _refused_by_xla(error):
+                raise
+            self.xla, self.compiled_with_xla = None, False
+            self._concrete.clear()
+            return compat.call_concrete(self._trace(key, args), flat)
+        self.compiled_with_xla = True
+        return result
 
     def _trace(self, key, args):
         function = self.xla if self.xla is not None else self.graph
         self._concrete[key] = concrete = function.get_concrete_function(*args)
         return concrete
+
+
+def _refused_by_xla(error) -> bool:
+    """Whether an error of a program that compiled before is XLA's refusal, not the computation's own error."""
+    return isinstance(error, tf.errors.UnimplementedError) or "XLA" in str(error)
 
 
 def _signature(value):
@@ -310,7 +318,9 @@ class StageCompute:
             self._for_weights[i] = parts
             return dx if need_input else None
         kept = self._kept.pop(i)
-        tape, x, outputs = self._rerun(kept) if isinstance(kept, _Rerun) else kept
+        if isinstance(kept, _Rerun):
+            return self._rerun_backward(kept, grad, activity_scale)
+        tape, x, outputs = kept
         inputs = _sources(x) if need_input else []
         sources = inputs + self.trainable_variables
         output_grads = (grad if isinstance(grad, list) else [grad]) + [tf.constant(activity_scale, tf.float32)]
@@ -435,25 +445,42 @@ class StageCompute:
     def _random_state(self) -> list:
         return [tf.identity(v) for v in self._generator_states]
 
-    def _rerun(self, rerun: _Rerun):
-        """The forward of a recomputed micro-batch again, under a tape, with the random state it first had.
+    def _rerun_backward(self, rerun: _Rerun, grad, activity_scale: float):
+        """``B`` of a recomputed micro-batch, one compiled program: its forward again, then its backward.
 
-        Every other variable a forward may update (a BatchNormalization's moving
-        statistics) is put back afterwards: the rerun must leave no trace.
+        The forward reruns with the random state it first had (the same
+        dropout masks); every other variable a forward may update (batch
+        norm's moving statistics) is put back, so the rerun leaves no trace.
+        The weight gradients go into the accumulators inside the program, so
+        none is materialized beside them.
         """
+        need_input = not self.is_first
         generators, others = self._generator_states, self._forward_updates
-        now = [tf.identity(v) for v in generators]
-        before = [tf.identity(v) for v in others]
-        for variable, value in zip(generators, rerun.states):
-            variable.assign(value)
-        tape = tf.GradientTape()
-        with tape:
-            if not self.is_first:
-                tape.watch(_sources(rerun.x))
-            outputs = rerun.program(rerun.x, *rerun.args)
-        for variable, value in zip(generators + others, now + before):
-            variable.assign(value)
-        return tape, rerun.x, rerun.differentiated(outputs)
+
+        def rerun_backward(x, args, states, grad, activity_scale):
+            now = [tf.identity(v) for v in generators]
+            before = [tf.identity(v) for v in others]
+            for variable, value in zip(generators, states):
+                variable.assign(value)
+            inputs = _sources(x) if need_input else []
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                outputs = rerun.differentiated(rerun.program.python(x, *args))
+            output_grads = (grad if isinstance(grad, list) else [grad]) + [activity_scale]
+            grads = tape.gradient(outputs, inputs + self.trainable_variables, output_gradients=output_grads)
+            for variable, value in zip(generators + others, now + before):
+                variable.assign(value)
+            dx = None
+            if need_input:
+                dx = _input_gradient(x, [tf.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)])
+            return _or_empty(dx), self.gradients.add_in_graph(grads[len(inputs) :])
+
+        self.gradients.prepare()
+        dx, sparse = self._program(("rerun_backward", id(rerun.program), self.gradients.empty), rerun_backward)(
+            rerun.x, rerun.args, rerun.states, grad, tf.constant(activity_scale, tf.float32)
+        )
+        self.gradients.added(sparse)
+        return dx if need_input else None
 
     def begin_step(self) -> None:
         """Before a training step: deferred batch norms start summing the batch's statistics."""
