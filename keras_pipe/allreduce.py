@@ -25,8 +25,13 @@ class ReplicaReducer:
         self.comm = comm
         self._buffers: dict = {}
 
-    def sum(self, grads: list) -> list:
-        """``grads`` (tensors or ``IndexedSlices``) summed over the replicas, in the same order."""
+    def sum(self, grads: list, computed: bool = True) -> list:
+        """``grads`` (tensors or ``IndexedSlices``) summed over the replicas, in the same order.
+
+        ``computed=False``: this replica had no share of the batch (its
+        gradients are placeholder zeros).
+        """
+        grads = self._agree_on_sparse(grads, computed)
         dense = [(index, g) for index, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
         results = list(grads)
         if dense:
@@ -45,6 +50,29 @@ class ReplicaReducer:
                 results[index] = self._gather_slices(grad)
         return results
 
+    def _agree_on_sparse(self, grads: list, computed: bool) -> list:
+        """Every replica's gradient of a variable in one form, so that all take the same collective.
+
+        A replica with no share holds zeros where the others hold slices: it
+        sends no slices. A replica whose sparse gradient has a dense part (a
+        weight regularizer's, which one replica counts) makes every replica's
+        dense, as ``Sequential``'s gradient of slices plus a dense term is.
+        One small all-reduce of the forms.
+        """
+        sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
+        forms = np.array([computed and s for s in sparse] + [computed and not s for s in sparse], np.float64)
+        forms = self.comm.allreduce_sum(forms)
+        agreed = []
+        for grad, is_sparse, sparse_somewhere, dense_somewhere in zip(
+            grads, sparse, forms[: len(grads)], forms[len(grads) :]
+        ):
+            if dense_somewhere and is_sparse:
+                grad = tf.convert_to_tensor(grad)
+            elif sparse_somewhere and not dense_somewhere and not is_sparse:
+                grad = _no_slices(grad)
+            agreed.append(grad)
+        return agreed
+
     def sum_values(self, values: np.ndarray) -> np.ndarray:
         """A small float64 vector summed over the replicas (a count of the batch, say)."""
         return self.comm.allreduce_sum(values)
@@ -56,6 +84,14 @@ class ReplicaReducer:
         all_values = self.comm.allgather_rows(values, counts)
         all_indices = self.comm.allgather_rows(indices, counts)
         return tf.IndexedSlices(tf.convert_to_tensor(all_values), tf.convert_to_tensor(all_indices), grad.dense_shape)
+
+
+def _no_slices(zeros) -> tf.IndexedSlices:
+    """No rows of a variable shaped like ``zeros``: a replica's sparse gradient when it had no share."""
+    shape = tuple(zeros.shape)
+    return tf.IndexedSlices(
+        tf.zeros((0,) + shape[1:], zeros.dtype), tf.zeros((0,), tf.int64), tf.constant(shape, tf.int64)
+    )
 
 
 def _host_view(tensor) -> np.ndarray:

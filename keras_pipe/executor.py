@@ -236,7 +236,7 @@ class Executor:
         if self.reducer is not None:
             self.status.doing = f"train step {self.step}, {self.where}: summing gradients over replicas"
             began = time.perf_counter()
-            summed = self.reducer.sum(compute.gradients.result())
+            summed = self.reducer.sum(compute.gradients.result(), computed=compute.gradients.computed)
             self._span("allreduce", -1, began)
         scale = None
         if _needs_whole_model(batch):

@@ -39,6 +39,11 @@ class GradientSum:
     def empty(self) -> bool:
         return self._direct is None and not self._accumulated
 
+    @property
+    def computed(self) -> bool:
+        """Whether the step added any gradient (a replica with no share of the batch adds none)."""
+        return not self.empty or bool(self._sparse)
+
     def add(self, grads: list) -> None:
         """Adds one micro-batch's (or one ``W``'s) gradients, eagerly."""
         dense = [self._take_sparse(i, g) for i, g in enumerate(grads)]
