@@ -61,7 +61,7 @@ class ReplicaReducer:
         """
         sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
         forms = np.array([computed and s for s in sparse] + [computed and not s for s in sparse], np.float64)
-        forms = self.comm.allreduce_sum(forms)
+        forms = self.comm.allreduce_sum(forms, "the other replicas of this stage (gradient allreduce)")
         agreed = []
         for grad, is_sparse, sparse_somewhere, dense_somewhere in zip(
             grads, sparse, forms[: len(grads)], forms[len(grads) :]

@@ -196,12 +196,12 @@ class Communicator:
 
     # -- collectives ----------------------------------------------------
 
-    def allreduce_sum(self, values: np.ndarray) -> np.ndarray:
-        """Element-wise sum of a float64 vector over all ranks."""
+    def allreduce_sum(self, values: np.ndarray, what: str = "the other ranks to finish the step (allreduce)"):
+        """Element-wise sum of a float64 vector over all ranks; ``what`` names the wait in stall reports."""
         send = np.ascontiguousarray(values, dtype=np.float64)
         recv = np.empty_like(send)
         request = self.comm.Iallreduce(send, recv, op=MPI.SUM)
-        self._wait_for(lambda: request.Test(), "the other ranks to finish the step (allreduce)")
+        self._wait_for(lambda: request.Test(), what)
         return recv
 
     def start_allreduce_sum(self, arrays: list[np.ndarray], results: list[np.ndarray] | None = None) -> list:
