@@ -180,12 +180,12 @@ class Engine:
         """
         key = (phase, num_microbatches, self.compute.split, whole_batch_loss)
         if key not in self._schedules:
-            split = self.compute.split or schedule.needs_split_backward(self.schedule)
             if phase != "train":
                 plan = schedule.forward_only(self.num_stages, num_microbatches)
             elif whole_batch_loss:
                 plan = schedule.gpipe(self.num_stages, num_microbatches, self.compute.split, whole_batch_loss=True)
             else:
+                split = self.compute.split or schedule.needs_split_backward(self.schedule)
                 plan = schedule.make_schedule(self.schedule, self.num_stages, num_microbatches, split)
             actions = plan[self.stage]
             if phase == "train" and not self.compute.split:
