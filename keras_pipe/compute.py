@@ -520,10 +520,9 @@ def loss_denominator(mask, sample_weight, reduction: str):
 
     As ``keras.losses.Loss`` with a mask: ``sum_over_batch_size`` (and
     ``mean``) divides by the count of unmasked entries, ``mean_with_sample_weight``
-    by the sum of their sample weights; ``sum`` divides by nothing (1).
+    by the sum of their sample weights. (``sum`` divides by nothing: its
+    micro-batches' losses add up, and never come here, see ``Engine.whole_batch_loss``.)
     """
-    if reduction == "sum":
-        return tf.constant(1.0, tf.float32)
     mask = tf.cast(mask, tf.float32)
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         weights = tf.cast(sample_weight, tf.float32)
