@@ -10,27 +10,36 @@ The public API is what this module exports (``__all__``), plus
 with "Internal:" may change in any release.
 
 Importing keras_pipe communicates with no other rank (see
-:mod:`keras_pipe.runtime`).
+:mod:`keras_pipe.runtime`). Run a script as ``mpirun -n P python -m
+keras_pipe train.py`` to have MPI started, and a failure on any rank end the
+job, before the script's first line (see :mod:`keras_pipe.__main__`).
 """
 
-from keras_pipe.batchnorm import DeferredBatchNormalization
-from keras_pipe.devices import try_configure_gpus as _configure_gpus
-from keras_pipe.errors import (
+# First, before TensorFlow (whose import may fail on a broken host): MPI, and the hook that makes
+# an uncaught error on one rank end the whole job. Neither communicates.
+from keras_pipe.failure import install_excepthook as _install_excepthook
+
+_install_excepthook()
+
+from keras_pipe.batchnorm import DeferredBatchNormalization  # noqa: E402
+from keras_pipe.devices import try_configure_gpus as _configure_gpus  # noqa: E402
+from keras_pipe.errors import (  # noqa: E402
     CollectiveError,
     PipelineConfigError,
     PipelineIOError,
     PipelineStallError,
     RankMismatchError,
 )
-from keras_pipe.loading import load_model
-from keras_pipe.model import PipelineModel
-from keras_pipe.runtime import init
-from keras_pipe.threads import configure_threads as _configure_threads
+from keras_pipe.graph import unallocated  # noqa: E402
+from keras_pipe.loading import load_model  # noqa: E402
+from keras_pipe.model import PipelineModel  # noqa: E402
+from keras_pipe.runtime import init  # noqa: E402
 
 # Before the script creates any tensor: TensorFlow's pools can only be sized,
-# and its GPUs chosen, before its first op. No MPI call: the launcher's
-# environment says how many ranks share this host, and which one this is.
-_configure_threads(warn=False)
+# and its GPUs chosen, before its first op; and from here on an uncaught
+# error on one rank ends the job. No MPI call: the launcher's environment
+# says how many ranks share this host, and which one this is.
+init()
 _configure_gpus()
 
 __version__ = "0.2.0"
@@ -39,6 +48,7 @@ __all__ = [
     "PipelineModel",
     "DeferredBatchNormalization",
     "load_model",
+    "unallocated",
     "init",
     "CollectiveError",
     "PipelineConfigError",

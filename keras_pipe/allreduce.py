@@ -100,3 +100,67 @@ def _host_view(tensor) -> np.ndarray:
         return np.from_dlpack(tensor)
     except (BufferError, TypeError, RuntimeError, ValueError):  # an accelerator's memory: copy to the host
         return tensor.numpy()
+
+
+class TiedReducer:
+    """Sums the gradients of weights that several stages hold (a layer called on each of them) over those stages.
+
+    ``GPT2CausalLM``'s token embedding is called by the first stage and, as
+    the ``reverse=True`` head, by the last: each holds a copy and computes
+    its part of the gradient. Before every update the copies' gradients are
+    summed over the stages holding them (one all-reduce per shared weight on
+    a communicator of those stages, as DeepSpeed's tied layers and
+    Megatron's embedding group do), so every copy takes the same step and
+    they stay identical. The whole model's gradient norm counts such a
+    weight once, on the first stage holding it (``counted``).
+    """
+
+    def __init__(self, groups: list, counted: list[bool]):
+        self.groups = groups  # [(communicator, positions of the variables it sums)]
+        self.counted = counted
+
+    @classmethod
+    def create(cls, pipeline, cut, stage: int, model_graph, variables) -> TiedReducer | None:
+        """One communicator per set of stages sharing weights (collective over ``pipeline``).
+
+        ``None`` where this stage shares no weight.
+        """
+        from mpi4py import MPI
+
+        from keras_pipe.comm import Communicator
+
+        by_stages: dict[tuple, list[str]] = {}
+        for unit, stages in sorted(cut.shared.items()):
+            by_stages.setdefault(tuple(stages), []).append(unit)
+        position = {id(v): i for i, v in enumerate(variables)}
+        counted = [True] * len(variables)
+        groups = []
+        for stages, units in sorted(by_stages.items()):
+            member = stage in stages
+            comm = None
+            if pipeline.size > 1:
+                split = pipeline.comm.Split(0 if member else MPI.UNDEFINED, stage)
+                if member:
+                    comm = Communicator(split, pipeline.stall_timeout, parent=pipeline._parent or pipeline)
+            if not member:
+                continue
+            positions = [position[id(v)] for unit in units for v in model_graph.units[unit].trainable_weights]
+            if stage != min(stages):
+                for p in positions:
+                    counted[p] = False
+            if comm is not None:
+                groups.append((comm, positions))
+        if not groups:
+            return None
+        return cls(groups, counted)
+
+    def sum(self, grads: list) -> list:
+        """``grads`` with every shared weight's gradient summed over the stages holding it (dense)."""
+        results = list(grads)
+        for comm, positions in self.groups:
+            arrays = [np.array(tf.convert_to_tensor(results[p]).numpy(), copy=True) for p in positions]
+            requests = comm.start_allreduce_sum(arrays)
+            comm.wait_all(requests, "the other stages holding a shared weight (gradient allreduce)")
+            for p, array in zip(positions, arrays):
+                results[p] = tf.convert_to_tensor(array)
+        return results

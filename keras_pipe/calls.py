@@ -50,7 +50,7 @@ class CallPreparation:
         shared["call"] = name
         check_same_everywhere(engine.world, f"the model and the {name}() call", {**model_fingerprint(model), **shared})
         engine.steps.begin_call()
-        if model._pipeline_input is not None:
+        if model._pipeline_input is not None or model._source is not None:
             model.build()  # BackupAndRestore and friends expect a built model
         arguments["callbacks"] = adapt_callbacks(arguments.get("callbacks"), engine.world)
         if engine.world.rank != 0:

@@ -28,11 +28,23 @@ TAG_ACTIVATION = 11
 TAG_GRADIENT = 12
 TAG_TARGETS = 13
 TAG_STATE = 14  # weights and optimizer state on their way to or from rank 0
+TAG_PROBE = 15  # the first batch's real forward, every message describing itself (see probe.py)
 TAG_STATUS_REQUEST = 21  # a stalled rank asks every other rank what it is doing
 TAG_STATUS_REPLY = 22
+TAG_FAILED = 23  # a rank that raised tells every other where (see failure.py)
+TAG_ALIVE = 24  # and a rank already past that point answers that it did not raise there
 _REPORT_GRACE_S = 5.0  # how long a stalled rank waits for the others' answers
 
 DEFAULT_STALL_TIMEOUT = 600.0
+# The ranks of a job start together and run the same script, so they reach
+# their first PipelineModel within seconds of each other: the timer starts
+# when a rank gets there, after its own imports, so only the difference
+# between ranks counts (measured: under 3 s with 4 ranks importing
+# TensorFlow on 2 busy cores). A rank that failed before (a typo in the
+# first lines, a broken import) is then named within this long, not the
+# stall timeout's ten minutes. Raise it (KERAS_PIPE_START_TIMEOUT) where
+# ranks start far apart, e.g. from a slow shared filesystem.
+DEFAULT_START_TIMEOUT = 30.0
 # Poll without sleeping this long before backing off: 2 ms where every rank
 # of the host has a core of its own (a sleep costs ~60-80 us of wake-up
 # latency on every message, and spinning takes no core another rank needs;
@@ -54,6 +66,18 @@ _SLEEP_CEILINGS = ((0.05, 200e-6), (1.0, 1e-3), (float("inf"), 10e-3))  # (waite
 
 def debug_enabled() -> bool:
     return os.environ.get("KERAS_PIPE_DEBUG", "") not in ("", "0")
+
+
+def start_timeout_from_env(environ=os.environ) -> float:
+    """``KERAS_PIPE_START_TIMEOUT`` in seconds (default :data:`DEFAULT_START_TIMEOUT`): the job's first rendezvous.
+
+    >>> start_timeout_from_env(environ={})
+    30.0
+    """
+    value = environ.get("KERAS_PIPE_START_TIMEOUT", "")
+    if not value.strip():
+        return DEFAULT_START_TIMEOUT
+    return check_stall_timeout(value, "KERAS_PIPE_START_TIMEOUT")
 
 
 def stall_timeout_from_env(default: float = DEFAULT_STALL_TIMEOUT, environ=os.environ) -> float:
@@ -103,7 +127,8 @@ class Communicator:
         # what this rank is doing is one shared record, whichever of its
         # communicators it is waiting on.
         self._parent = parent
-        self._shared = parent._shared if parent is not None else _SharedState()
+        self._shared = PROCESS
+        self._world_spanning = self.size == MPI.COMM_WORLD.Get_size()
         self._world_ranks = None
         if parent is not None:
             group, parent_group = self.comm.Get_group(), parent.comm.Get_group()
@@ -129,6 +154,15 @@ class Communicator:
     @doing.setter
     def doing(self, text: str) -> None:
         self._shared.doing = text
+
+    @property
+    def in_step(self) -> bool:
+        """Whether this rank is inside a step's actions (with messages in flight), for failure checks."""
+        return self._shared.in_step
+
+    @in_step.setter
+    def in_step(self, value: bool) -> None:
+        self._shared.in_step = value
 
     @property
     def world_rank(self) -> int:
@@ -201,7 +235,7 @@ class Communicator:
         send = np.ascontiguousarray(values, dtype=np.float64)
         recv = np.empty_like(send)
         request = self.comm.Iallreduce(send, recv, op=MPI.SUM)
-        self._wait_for(lambda: request.Test(), what)
+        self._wait_collective(lambda: request.Test(), what)
         return recv
 
     def start_allreduce_sum(self, arrays: list[np.ndarray], results: list[np.ndarray] | None = None) -> list:
@@ -229,7 +263,7 @@ class Communicator:
         ``spin_s`` defaults to the module's ``COLLECTIVE_SPIN_S``, read at each call.
         """
         spin_s = COLLECTIVE_SPIN_S if spin_s is None else spin_s
-        self._wait_for(lambda: MPI.Request.Testall(requests), what, spin_s)
+        self._wait_collective(lambda: MPI.Request.Testall(requests), what, spin_s)
 
     def allgather_rows(self, array: np.ndarray, counts: list[int]) -> np.ndarray:
         """Concatenates each rank's ``array`` (``counts[rank]`` rows, the same trailing shape) in rank order."""
@@ -242,19 +276,22 @@ class Communicator:
             [array.reshape(-1).view(np.uint8), MPI.BYTE],
             [gathered.reshape(-1).view(np.uint8), (sizes, displacements), MPI.BYTE],
         )
-        self._wait_for(request.Test, "the other replicas (allgather)")
+        self._wait_collective(request.Test, "the other replicas (allgather)")
         return gathered
 
-    def allgather_json(self, obj) -> list:
-        """Every rank's JSON-serialisable ``obj``, in rank order (no pickling)."""
+    def allgather_json(self, obj, timeout: float | None = None) -> list:
+        """Every rank's JSON-serialisable ``obj``, in rank order (no pickling).
+
+        ``timeout``: the stall timeout of this one call (the job's first rendezvous has its own).
+        """
         payload = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
         sizes = np.empty(self.size, np.int64)
         request = self.comm.Iallgather(np.array([payload.size], np.int64), sizes)
-        self._wait_for(lambda: request.Test(), "the other ranks (allgather)")
+        self._wait_collective(lambda: request.Test(), "the other ranks (allgather)", timeout=timeout)
         gathered = np.empty(int(sizes.sum()), np.uint8)
         displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         request = self.comm.Iallgatherv(payload, [gathered, (sizes, displacements), MPI.BYTE])
-        self._wait_for(lambda: request.Test(), "the other ranks (allgather)")
+        self._wait_collective(lambda: request.Test(), "the other ranks (allgather)")
         return [json.loads(bytes(gathered[o : o + n])) for o, n in zip(displacements, sizes)]
 
     def allgather_array(self, array: np.ndarray) -> np.ndarray:
@@ -262,7 +299,7 @@ class Communicator:
         array = np.ascontiguousarray(array)
         gathered = np.empty((self.size,) + array.shape, array.dtype)
         request = self.comm.Iallgather(array, gathered)
-        self._wait_for(request.Test, "the other ranks (allgather)")
+        self._wait_collective(request.Test, "the other ranks (allgather)")
         return gathered
 
     def bcast_json(self, obj, root: int):
@@ -273,17 +310,30 @@ class Communicator:
         """Broadcasts an array whose shape and dtype every rank already knows."""
         array = np.ascontiguousarray(array).reshape(np.shape(array))  # (ascontiguousarray makes 0-d arrays 1-d)
         request = self.comm.Ibcast([array.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
-        self._wait_for(lambda: request.Test(), f"a broadcast from rank {root}")
+        self._wait_collective(lambda: request.Test(), f"a broadcast from rank {root}")
         return array
 
     def barrier(self) -> None:
         request = self.comm.Ibarrier()
-        self._wait_for(lambda: request.Test(), "the other ranks (barrier)")
+        self._wait_collective(lambda: request.Test(), "the other ranks (barrier)")
 
     # -- waiting --------------------------------------------------------
 
-    def _wait_for(self, poll, what: str, spin_s: float | None = None):
-        """Calls ``poll`` until it returns something truthy, sleeping more and more between calls after ``spin_s``."""
+    def _wait_collective(self, poll, what: str, spin_s: float | None = None, timeout: float | None = None):
+        """``_wait_for`` a collective; counts it if every rank of the job takes part (see ``failure.verify``)."""
+        result = self._wait_for(poll, what, spin_s, timeout)
+        if self._world_spanning:
+            self._shared.collectives += 1
+        return result
+
+    def _wait_for(self, poll, what: str, spin_s: float | None = None, timeout: float | None = None):
+        """Calls ``poll`` until it returns something truthy, sleeping more and more between calls after ``spin_s``.
+
+        Every 0.1 s it answers other ranks' questions (a stall report, a
+        failure's check) and looks for dead peers; after ``timeout`` (default
+        the stall timeout) it ends the job with a report.
+        """
+        timeout = self.stall_timeout if timeout is None else timeout
         if spin_s is None:
             spin_s = point_to_point_spin()
         result = poll()
@@ -305,17 +355,26 @@ class Communicator:
             waited = now - start
             if now > next_status_check:
                 root.answer_status_requests()
+                note_failures()
                 dead = root.dead_peers()
                 if dead and not poll():  # (a peer that finished may have sent what we wait for)
                     root.report_dead_peers(dead, what)
                 next_status_check = now + 0.1
-            if waited > self.stall_timeout and not shared.someone_reporting(now):
-                raise PipelineStallError(
-                    f"rank {root.rank} waited {waited:.0f} s for {what} while {self.doing}; the stall "
-                    f"timeout is {self.stall_timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or PipelineModel("
-                    "stall_timeout=...)). A rank is stuck or has died. What each rank was doing:\n"
-                    + root.stall_report()
-                )
+            if waited > timeout and not shared.someone_reporting(now):
+                report = root.stall_report()
+                if report is not None:  # (else a lower rank is reporting, and ends the job)
+                    raise PipelineStallError(
+                        f"rank {root.rank} waited {waited:.0f} s for {what} while {self.doing}; the "
+                        + (
+                            f"stall timeout is {timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or PipelineModel("
+                            "stall_timeout=...))"
+                            if timeout == self.stall_timeout
+                            else f"ranks of a job reach their first PipelineModel within {timeout:g} s of each "
+                            "other (KERAS_PIPE_START_TIMEOUT)"
+                        )
+                        + ". A rank is stuck or has died. What each rank was doing:\n"
+                        + report
+                    )
             if waited > spin_s:
                 ceiling = next(longest for below, longest in _SLEEP_CEILINGS if waited < below)
                 sleep = min(ceiling, max(sleep * 2, 20e-6))
@@ -340,6 +399,7 @@ class Communicator:
             reply = np.frombuffer(json.dumps(self._status()).encode(), np.uint8).copy()
             self._shared.replies.append((self.comm.Isend(reply, dest=source, tag=TAG_STATUS_REPLY), reply))
             self._shared.last_asked = time.monotonic()
+            self._shared.asked_by.add(source)
         self._shared.replies = [(r, a) for r, a in self._shared.replies if not r.Test()]
 
     def set_peers(self, peers: list[tuple[str, int]]) -> None:
@@ -367,14 +427,20 @@ class Communicator:
         if now - shared.dead_since < 0.2 * self.rank or shared.someone_reporting(now):
             return
         names = ", ".join(f"rank {r} (pid {shared.peers[r][1]} on {shared.peers[r][0]})" for r in dead)
+        report = self.stall_report(dead=dead)
+        if report is None:
+            return
         raise PipelineStallError(
             f"{names} stopped: its process no longer exists (killed by a signal, by the out-of-memory killer, or "
             f"it exited without keras_pipe noticing). Rank {self.rank} was waiting for {what} while {self.doing}. "
-            "What each rank was doing:\n" + self.stall_report(dead=dead)
+            "What each rank was doing:\n" + report
         )
 
-    def stall_report(self, dead: list[int] = ()) -> str:
-        """Asks every other rank what it is doing; one line per rank (silent ranks marked)."""
+    def stall_report(self, dead: list[int] = ()) -> str | None:
+        """Asks every other rank what it is doing; one line per rank (silent ranks marked).
+
+        ``None`` when a lower rank asked this one meanwhile: it reports, once, for every rank.
+        """
         asks = [np.zeros(1, np.int64) for _ in range(self.size)]
         requests = [
             self.comm.Isend(asks[r], dest=r, tag=TAG_STATUS_REQUEST)
@@ -385,8 +451,14 @@ class Communicator:
         answers.update({r: {"rank": r, "doing": "dead: its process no longer exists"} for r in dead})
         deadline = time.monotonic() + _REPORT_GRACE_S
         status = MPI.Status()
+        self._shared.asked_by.clear()
         while len(answers) < self.size and time.monotonic() < deadline:
             self.answer_status_requests()  # another stalled rank may be asking us
+            if any(r < self.rank for r in self._shared.asked_by):
+                for request in requests:  # a lower rank reports (one report, not one per rank)
+                    if not request.Test():
+                        request.Cancel()
+                return None
             if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATUS_REPLY, status=status):
                 payload = np.empty(status.Get_count(MPI.BYTE), np.uint8)
                 self.comm.Recv(payload, source=status.Get_source(), tag=TAG_STATUS_REPLY)
@@ -432,9 +504,15 @@ def point_to_point_spin() -> float:
 
 
 class _SharedState:
-    """What one process is doing, shared by all of its communicators."""
+    """What this process is doing, shared by all of its communicators (one per process: :data:`PROCESS`)."""
 
     def __init__(self):
+        self.collectives = 0  # collectives of every rank of the job completed here (see failure.verify)
+        self.in_step = False  # inside a step's actions (messages in flight)
+        self.failures: dict[int, list] = {}  # rank -> [collectives, in step, error digest] it announced
+        self.answered: set[int] = set()  # failed ranks told that this one went on past their point
+        self.failing = False  # this rank is finding out whether the others raised too
+        self.asked_by: set[int] = set()  # ranks that asked for this one's status (during a report)
         self.doing = "idle"
         self.waiting_for = ""
         self.wait_started = 0.0
@@ -446,6 +524,35 @@ class _SharedState:
     def someone_reporting(self, now: float) -> bool:
         """Whether another rank is writing a stall report (it asked this one lately): one report, not one per rank."""
         return now - self.last_asked < _REPORT_GRACE_S + 5.0
+
+
+PROCESS = _SharedState()
+
+
+def note_failures() -> None:
+    """Takes in other ranks' failure announcements; tells each whose point this rank has passed that it went on.
+
+    A rank that raised announces how many job-wide collectives it had
+    completed (:func:`keras_pipe.failure.verify`). This rank, while waiting,
+    answers "alive" once it has completed at least as many: it is past the
+    point where the other raised and did not raise there, so the failure is
+    that rank's alone and it ends the job. A rank still behind stays silent:
+    it may yet raise the same error at the same point.
+    """
+    world = MPI.COMM_WORLD
+    status = MPI.Status()
+    while world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_FAILED, status=status):
+        source = status.Get_source()
+        announced = np.empty(3, np.int64)
+        world.Recv(announced, source=source, tag=TAG_FAILED)
+        PROCESS.failures[source] = announced.tolist()
+    if PROCESS.failing:
+        return  # this rank raised too: its own announcement answers
+    for rank, (count, _, _) in list(PROCESS.failures.items()):
+        if rank not in PROCESS.answered and PROCESS.collectives >= count:
+            reply = np.array([PROCESS.collectives], np.int64)
+            PROCESS.replies.append((world.Isend(reply, dest=rank, tag=TAG_ALIVE), reply))
+            PROCESS.answered.add(rank)
 
 
 def _alive(pid: int) -> bool:

@@ -168,6 +168,121 @@ def call_concrete(concrete, flat_inputs: list):
     return concrete._call_flat(flat_inputs, concrete.captured_inputs)
 
 
+# -- graphs ----------------------------------------------------------------------------
+
+
+def execution_order(functional) -> list:
+    """A Functional model's nodes in the order ``Functional._run_through_graph`` runs them (Keras 3.0-3.15).
+
+    ``_nodes_by_depth``, deepest first, input nodes left out. Why: the
+    pipeline cuts this order into stages and runs each stage's part of it.
+    """
+    order = []
+    for depth in sorted(functional._nodes_by_depth, reverse=True):
+        for node in functional._nodes_by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                order.append(node)
+    return order
+
+
+def call_operation(operation, args, kwargs, training):
+    """Calls a graph node's operation as ``Functional.call`` does (``functional.operation_fn``, Keras 3.9-3.15).
+
+    ``training`` goes to the operations whose call takes it (their
+    ``_call_context_args``); everything else as the node recorded it.
+    """
+    from keras.src.models.functional import operation_fn
+
+    return operation_fn(operation, training=training)(*args, **kwargs)
+
+
+def is_functional(model) -> bool:
+    """Whether ``model`` is a Functional model, a subclass (keras_hub's task models) included
+    (``keras.src.models.functional.Functional``, Keras 3.0-3.15; the class is not exported)."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)
+
+
+def sequential_functional(model):
+    """The Functional graph a built ``Sequential`` runs (``Sequential._functional``, Keras 3.0-3.15), or ``None``."""
+    return getattr(model, "_functional", None)
+
+
+def standardize_inputs(functional, x) -> list:
+    """A batch's model inputs, flat, as ``Functional.call`` converts them (``_standardize_inputs``, Keras 3.0-3.15).
+
+    Why: a dict, a list or one array, converted to each input's dtype, with
+    Keras' rank adjustments, exactly as the unsplit model takes them.
+    """
+    return list(functional._standardize_inputs(x))
+
+
+def input_shape_argument(layer):
+    """A layer's legacy ``input_shape=``/``input_dim=`` (``Layer._input_shape_arg``, Keras 3.0-3.15)."""
+    return getattr(layer, "_input_shape_arg", None) if isinstance(layer, keras.layers.Layer) else None
+
+
+def executing_eagerly() -> bool:
+    """Whether code runs op by op, not inside a ``tf.function`` being traced."""
+    return tf.executing_eagerly()
+
+
+def unallocated(variable) -> bool:
+    """Whether a Keras variable has a shape but no value (created in an unallocated scope, or released)."""
+    return getattr(variable, "_value", None) is None
+
+
+def release_variable(variable) -> None:
+    """Frees a Keras variable's value, keeping its shape and dtype (``KerasVariable._value``, Keras 3.0-3.15).
+
+    Why: a model handed in built has every stage's weights on every rank;
+    each rank frees those of the stages it does not run. Reading it again on
+    this rank is an error that says so.
+    """
+    if unallocated(variable):
+        return
+    path = variable.path
+
+    def elsewhere(shape, dtype=None):
+        raise RuntimeError(
+            f"{path} belongs to another stage of the pipeline; this rank released it (model.get_weights() "
+            "gathers every stage's weights)."
+        )
+
+    variable._value = None
+    variable._initializer = elsewhere
+
+
+# -- losses ------------------------------------------------------------------------------
+
+
+def loss_terms(compile_loss) -> list:
+    """A built ``CompileLoss``'s terms ``(path, loss, weight, name)`` (``CompileLoss._flat_losses``, Keras 3.0-3.15)."""
+    return list(compile_loss._flat_losses or [])
+
+
+def apply_mask(sample_weight, mask, dtype, reduction):
+    """``keras.src.losses.loss.apply_mask`` (Keras 3.0-3.15): a mask merged into the sample weights."""
+    from keras.src.losses.loss import apply_mask as keras_apply_mask
+
+    return keras_apply_mask(sample_weight, mask, dtype=dtype, reduction=reduction)
+
+
+def squeeze_or_expand_to_same_rank(x1, x2):
+    """``keras.src.losses.loss.squeeze_or_expand_to_same_rank`` (Keras 3.0-3.15)."""
+    from keras.src.losses.loss import squeeze_or_expand_to_same_rank as keras_squeeze
+
+    return keras_squeeze(x1, x2)
+
+
+def scale_loss_for_distribution(value):
+    """``keras.src.losses.loss.scale_loss_for_distribution`` (Keras 3.0-3.15)."""
+    from keras.src.losses.loss import scale_loss_for_distribution as keras_scale
+
+    return keras_scale(value)
+
+
 # -- checking ------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ def check_model(model) -> None:
             "compile() instead (a keras.losses.Loss subclass can hold custom logic)."
         )
     if model.loss is not None:
-        loss_reduction(model.loss)  # raises for what cannot be split into micro-batches
+        check_loss(model.loss)  # raises for what cannot be split into micro-batches
 
 
 def refuse(message: str) -> PipelineConfigError:
@@ -37,15 +37,18 @@ def refuse(message: str) -> PipelineConfigError:
 MICROBATCH_REDUCTIONS = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")
 
 
-def loss_reduction(loss) -> str:
-    """The reduction of a compiled loss, if the pipeline can compute it per micro-batch."""
-    if isinstance(loss, (list, tuple, dict)):
-        raise refuse(f"loss={loss!r}: a PipelineModel has one output, as Sequential; give a single loss.")
-    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
-    reduction = getattr(resolved, "reduction", "sum_over_batch_size")
-    if reduction not in MICROBATCH_REDUCTIONS:
-        raise refuse(
-            f"a loss with reduction={reduction!r} cannot be combined over micro-batches; use one of "
-            f"{', '.join(map(repr, MICROBATCH_REDUCTIONS))}."
-        )
-    return reduction
+def check_loss(loss) -> None:
+    """Refuses a compiled loss (one, or a list or dict of them, one per output) that micro-batches cannot split."""
+    for item in keras.tree.flatten(loss):
+        if item is None:
+            continue
+        try:
+            resolved = keras.losses.get(item) if isinstance(item, (str, dict)) else item
+        except (ValueError, TypeError):
+            continue  # Keras' own compile() says what is wrong with it
+        reduction = getattr(resolved, "reduction", "sum_over_batch_size")
+        if reduction not in MICROBATCH_REDUCTIONS:
+            raise refuse(
+                f"a loss with reduction={reduction!r} cannot be combined over micro-batches; use one of "
+                f"{', '.join(map(repr, MICROBATCH_REDUCTIONS))}."
+            )

@@ -1,21 +1,21 @@
-"""Internal: one stage's compute — compiled forward, backward, weight-gradient and update programs.
+"""Internal: one stage's compute — its nodes' forward and backward, as compiled programs.
 
 Compute only: nothing here sends, receives or times. The executor
 (:mod:`keras_pipe.executor`) calls these methods in the order the schedule
-gives, and moves tensors between ranks itself.
+gives, and moves tensors between ranks itself. A stage's forward takes its
+inputs (:attr:`keras_pipe.cut.Stage.inputs`: model inputs on the first
+stage, received tensors elsewhere) as a list, runs its nodes
+(:class:`~keras_pipe.graph.NodeCall`) in order, and returns its outputs
+(:attr:`~keras_pipe.cut.Stage.outputs`); a tensor that carries a Keras mask
+travels as a :class:`Masked` pair.
 
 Each method runs one compiled program per micro-batch (or per batch, for
-``W`` and the update), XLA-compiled unless ``compile(jit_compile=False)``:
-the program is tried with XLA on its first call and falls back to a plain
-``tf.function`` where XLA cannot compile the stage's layers (a
-``numpy_function``, say). Two ways to backpropagate:
+``W``; see :mod:`keras_pipe.programs`). Two ways to backpropagate:
 
-- **split** (every layer replayable, :mod:`keras_pipe.replay`): ``F`` keeps
-  each step's input, ``I`` computes the input gradient alone and keeps each
-  weighted step's output gradient, ``W`` computes the weight gradients of
-  many micro-batches in one pass; the last ``W`` of a step hands its
-  gradients straight to the optimizer, in the same program, when no replica
-  needs them first.
+- **split** (every node replayable, :mod:`keras_pipe.replay`): ``F`` keeps
+  each step's inputs, ``I`` computes the input gradients alone and keeps
+  each weighted step's output gradients, ``W`` computes the weight
+  gradients of many micro-batches in one pass (:mod:`keras_pipe.update`);
 - **recorded** (any other stage): ``F`` runs under an eager
   ``tf.GradientTape`` that records the compiled forward as one op, and ``B``
   runs TensorFlow's gradient of it, keeping the activations the forward
@@ -26,125 +26,81 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat, replay
 from keras_pipe.batchnorm import DeferredBatchNormalization
+from keras_pipe.errors import PipelineConfigError
 from keras_pipe.gradients import GradientSum
-from keras_pipe.links import Masked
+from keras_pipe.programs import Program
+from keras_pipe.update import StageUpdate
 
-_XLA_REFUSALS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, NotImplementedError)
-
-
-class Program:
-    """A compiled function: XLA if it compiles, else a plain ``tf.function``; eager when asked.
-
-    Calls go straight to the traced graph of the arguments' shapes (see
-    :func:`keras_pipe.compat.call_concrete`): a ``tf.function`` call spends
-    100-200 us matching its arguments to a trace, more than a small
-    micro-batch's compute.
-    """
-
-    def __init__(self, function, jit: bool, eager: bool = False):
-        self.python = function
-        self.eager = eager
-        self.xla = tf.function(function, jit_compile=True) if jit and not eager else None
-        self.graph = tf.function(function)
-        self.compiled_with_xla: bool | None = None  # known after the first call
-        self._concrete: dict = {}
-
-    def __call__(self, *args):
-        if self.eager:
-            return self.python(*args)
-        key = _signature(args)
-        concrete = self._concrete.get(key)
-        if concrete is None:
-            concrete = self._trace(key, args)
-        flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(args, expand_composites=True) if a is not None]
-        if self.xla is None:
-            return compat.call_concrete(concrete, flat)
-        try:
-            result = compat.call_concrete(concrete, flat)
-        except _XLA_REFUSALS as error:
-            # XLA refuses the stage's layers: on the first call, or on the first under a gradient
-            # tape (TensorFlow then compiles the forward with what its gradient needs, an LSTM's
-            # TensorList say). Plain graphs from now on.
-            if self.compiled_with_xla and not _refused_by_xla(error):
-                raise
-            self.xla, self.compiled_with_xla = None, False
-            self._concrete.clear()
-            return compat.call_concrete(self._trace(key, args), flat)
-        self.compiled_with_xla = True
-        return result
-
-    def _trace(self, key, args):
-        function = self.xla if self.xla is not None else self.graph
-        self._concrete[key] = concrete = function.get_concrete_function(*args)
-        return concrete
+RECOMPUTE = ("never", "except_last", "always")
 
 
-def _refused_by_xla(error) -> bool:
-    """Whether an error of a program that compiled before is XLA's refusal, not the computation's own error."""
-    return isinstance(error, tf.errors.UnimplementedError) or "XLA" in str(error)
+class Masked(NamedTuple):
+    """A tensor and the Keras mask that rides with it (``Embedding(mask_zero=True)``, ``Masking``)."""
+
+    tensor: object
+    mask: object
 
 
-def _signature(value):
-    """What selects a trace: the structure, shapes and dtypes of the arguments (hashable)."""
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__,) + tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((key, _signature(value[key])) for key in sorted(value))
-    if value is None:
-        return None
-    if isinstance(value, tf.IndexedSlices):
-        return ("slices", _signature(value.values), _signature(value.indices))
-    return (tuple(value.shape), str(value.dtype))
-
-
-class StageCompute:
-    """The layers one rank owns and the compiled programs that run them.
+class StageCompute(StageUpdate):
+    """The nodes one rank runs and the compiled programs that run them.
 
     Args:
-        layers: this stage's layers, built.
-        is_first: whether the stage reads the model input (it needs no input gradient).
+        stage: this rank's :class:`~keras_pipe.cut.Stage`.
+        calls: its nodes' :class:`~keras_pipe.graph.NodeCall`\\ s, in order.
+        graph: the whole :class:`~keras_pipe.cut.Graph` (tensor names, masks).
+        layers: the layers whose weights the stage holds.
         jit: compile programs with XLA where the layers allow it.
         eager: run everything op by op (``compile(run_eagerly=True)``).
+        recompute: ``"never"``, ``"except_last"`` or ``"always"``.
+        output_structure: last stage: the model's outputs as ``KerasTensor``s (to pack predictions).
+        regularized: the layers whose weight regularizers this stage counts (default: all of ``layers``;
+            a layer several stages hold is counted by one).
     """
 
     def __init__(
         self,
+        stage,
+        calls,
+        graph,
         layers,
-        is_first: bool,
         jit: bool = True,
         eager: bool = False,
-        masked: bool = False,
-        mask_out: bool = False,
         recompute: str = "never",
-        several: bool = False,
+        output_structure=None,
+        regularized=None,
     ):
         check_recompute(recompute)
-        self.recompute = recompute
+        self.stage = stage
+        self.calls = list(calls)
+        self.graph = graph
         self.layers = list(layers)
-        self.is_first = is_first
-        self.jit = jit
-        self.eager = eager
-        self.mask_out = mask_out  # the output's Keras mask goes to the next stage with it
-        self.trainable_variables = [v for layer in self.layers for v in layer.trainable_weights]
-        reasons = [r for r in map(replay.why_not_replayable, self.layers) if r]
-        if masked:
-            reasons.insert(0, "a Keras mask travels through the stage")
-        if several:
-            reasons.insert(0, "several tensors cross into, within or out of the stage")
-        if recompute != "never":
-            reasons.insert(0, f"recompute={recompute!r} reruns the recorded forward")
-        self.split = not reasons
-        self.why_recorded = reasons[0] if reasons else None
-        self.steps = replay.steps_of(self.layers) if self.split else []
-        self.has_weight_regularizers = any(v.regularizer is not None for v in self.trainable_variables)
+        self.recompute = recompute
+        self.jit, self.eager = jit, eager
+        self.is_first = stage.index == 0
+        self.output_structure = output_structure
+        self.gradient_inputs = [c.tensor for c in stage.receives if c.gradient]
+        self.gradient_outputs = [c.tensor for c in stage.sends if c.gradient]
+        self.num_sends = len(stage.sends)
+        self.trainable_variables = _unique(v for layer in self.layers for v in layer.trainable_weights)
+        self._programs: dict = {}
+        self._checks: list | None = None  # while a checked program traces: (note, [min, max]) to verify
+        self._kept: dict = {}  # micro-batch -> what its backward needs
+        self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
+        self.gradients = GradientSum(self.trainable_variables, self._program)
+        self.regularized_layers = list(layers) if regularized is None else list(regularized)
+        self.has_weight_regularizers = any(
+            v.regularizer is not None for layer in self.regularized_layers for v in layer.trainable_weights
+        )
         # what a recomputed forward reads (the random generators' state) and updates (the rest)
-        self._generator_states = [
+        self._generator_states = _unique(
             compat.variable_handle(g.state) for layer in self.layers for g in compat.seed_generators(layer)
-        ]
+        )
         self._deferred_norms = [
             sub
             for layer in self.layers
@@ -153,21 +109,132 @@ class StageCompute:
         ]
         stateful = [compat.variable_handle(v) for layer in self.layers for v in layer.non_trainable_variables]
         stateful += [v for norm in self._deferred_norms for v in norm.step_variables()]
-        self._forward_updates = [v for v in stateful if all(v is not g for g in self._generator_states)]
-        self.gradients = GradientSum(self.trainable_variables, self._program)
-        self._programs: dict = {}
-        self._kept: dict = {}  # micro-batch -> what its backward needs
-        self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
+        self._forward_updates = _unique(v for v in stateful if all(v is not g for g in self._generator_states))
+        self.set_masks({t: graph.tensors[t].mask for t in set(stage.inputs) | set(stage.outputs)})
 
-    def configure(self, jit: bool, eager: bool) -> None:
-        """Changes how programs compile (after ``compile()``); forgets the compiled ones."""
+    def set_masks(self, masks: dict) -> None:
+        """The Keras mask each input and output carries (``None``: none), as measured on real tensors."""
+        self.masks = {t: masks.get(t) for t in set(self.stage.inputs) | set(self.stage.outputs)}
+        reasons = [r for r in map(replay.why_not_replayable, self.calls) if r]
+        if any(m is not None for m in self.masks.values()):
+            reasons.insert(0, "a Keras mask travels into or out of the stage")
+        if self.recompute != "never":
+            reasons.insert(0, f"recompute={self.recompute!r} reruns the recorded forward")
+        self.split = not reasons
+        self.why_recorded = reasons[0] if reasons else None
+        first_free = len(self.graph.tensors)
+        self.steps = replay.steps_of(self.calls, first_free) if self.split else []
+        self._head_from = self._first_head_step() if self.split else 0
+        self._weighted = [k for k, step in enumerate(self.steps) if step.variables]
+        self._programs.clear()
+
+    def configure(self, jit, eager: bool) -> None:
+        """Changes how programs compile (after ``compile()``); forgets the compiled ones.
+
+        ``jit``: ``True`` (XLA wherever it compiles), ``"auto"`` (XLA except
+        for the training programs of a stage that draws random numbers:
+        XLA's random streams are not TensorFlow's, so dropout would draw
+        other masks than the unsplit model's), ``False`` (never).
+        """
         self.jit, self.eager = jit, eager
         self._programs.clear()
 
-    def _program(self, key, function) -> Program:
+    @property
+    def draws_random(self) -> bool:
+        """Whether the stage's layers hold random generators (dropout, noise, random augmentation)."""
+        return bool(self._generator_states)
+
+    def _program(self, key, function, random: bool = False) -> _StageProgram:
+        """The compiled program ``key`` of ``function``; ``random``: it runs the layers in training."""
         if key not in self._programs:
-            self._programs[key] = Program(function, self.jit, self.eager)
+            self._programs[key] = _StageProgram(self, key, function, random)
         return self._programs[key]
+
+    # -- running the nodes ------------------------------------------------
+
+    def _bind(self, inputs) -> dict:
+        """The stage's input list as tensor values, each with its Keras mask attached."""
+        values = {}
+        for t, value in zip(self.stage.inputs, inputs):
+            if isinstance(value, Masked):
+                tensor = tf.identity(value.tensor)  # a tensor of this trace's own, to carry the mask
+                compat.set_mask(tensor, value.mask)
+                value = tensor
+            values[t] = value
+        return values
+
+    def _run(self, inputs, training: bool, keep: bool = False):
+        """``(values, activity loss, kept inputs, seeds)`` of one forward of the stage's nodes."""
+        values = self._bind(inputs)
+        if self.split:
+            self._check_ids(values, self.calls)
+            activity, kept, seeds = replay.forward(self.steps, values, training, keep)
+            return values, activity, kept, seeds
+        self._check_ids(values, self.calls)
+        activity = tf.constant(0.0, tf.float32)
+        for call in self.calls:
+            values.update(zip(call.outputs, call(values, training)))
+            layer = call.layer
+            if layer is not None:
+                for sub in compat.sublayers(layer):
+                    for loss in compat.own_losses(sub):
+                        activity += tf.cast(tf.reduce_sum(loss), tf.float32)
+        return values, activity, [], []
+
+    def _sends(self, values) -> list:
+        """What the stage sends on, checked against the masks measured when the pipeline was built."""
+        return [self._crossing(t, values[t]) for t in self.stage.outputs[: self.num_sends]]
+
+    def _crossing(self, t: int, value):
+        mask = compat.get_mask(value)
+        expected = self.masks.get(t)
+        if (mask is None) != (expected is None):
+            tensor = self.graph.tensors[t].name
+            raise PipelineConfigError(
+                f"{tensor!r} {'carries' if mask is not None else 'carries no'} Keras mask at run time, but "
+                f"{'did not' if mask is not None else 'did'} when the pipeline was built from real tensors; a "
+                "stage boundary cannot carry a mask that comes and goes. Make the mask the same for every batch."
+            )
+        return value if mask is None else Masked(value, tf.cast(mask, tf.bool))
+
+    def _model_outputs(self, values) -> list:
+        return [values[t] for t in self.stage.outputs[self.num_sends :]]
+
+    def _pack(self, flat):
+        return keras.tree.pack_sequence_as(self.output_structure, flat)
+
+    def _head(self, loss, values, y, sample_weight):
+        """Last stage: ``(values, divisors)`` of each loss term on the micro-batch's model outputs."""
+        y_pred = self._pack(self._model_outputs(values))
+        if self._checks is not None:
+            self._checks += loss.label_ranges(y, y_pred)
+        return loss.values(y, y_pred, sample_weight)
+
+    def _check_ids(self, values, calls) -> None:
+        """Under XLA: the range of every id an ``Embedding`` looks up (XLA reads past the table silently)."""
+        if self._checks is None:
+            return
+        for call in calls:
+            layer = call.layer
+            if isinstance(layer, keras.layers.Embedding) and not call.node.arguments.kwargs and call.inputs:
+                ids = values.get(call.inputs[0])
+                if ids is None:
+                    continue  # (an id computed inside the stage: checked by its own node's turn)
+                ids = tf.cast(ids, tf.int64)
+                note = f"{layer.name!r} ({type(layer).__name__} of input_dim={layer.input_dim}) looked up id"
+                self._checks.append(
+                    ((note, 0, int(layer.input_dim)), tf.stack([tf.reduce_min(ids), tf.reduce_max(ids)]))
+                )
+
+    def _predictions(self, values) -> list:
+        """The model outputs, ``Masked`` where one carries a Keras mask (the metrics need it)."""
+        result = []
+        for t, value in zip(self.stage.outputs[self.num_sends :], self._model_outputs(values)):
+            mask = compat.get_mask(value)
+            if (mask is None) != (self.masks.get(t) is None):
+                self._crossing(t, value)  # raises
+            result.append(value if mask is None else Masked(value, tf.cast(mask, tf.bool)))
+        return result
 
     # -- forward ----------------------------------------------------------
 
@@ -175,277 +242,197 @@ class StageCompute:
         """Whether micro-batch ``i``'s forward keeps only its input, its backward rerunning the forward."""
         return self.recompute == "always" or (self.recompute == "except_last" and i != num_microbatches - 1)
 
-    def forward(self, i: int, x, training: bool, recompute: bool = False):
-        """``F``: ``(y, activity loss)`` of micro-batch ``i``; when training, keeps what its backward needs.
-
-        With ``recompute`` that is only the input and the random generators'
-        state: the backward reruns the forward, drawing the same dropout masks.
-        """
+    def forward(self, i: int, inputs, training: bool, recompute: bool = False):
+        """``F``: ``(outputs, activity loss)`` of micro-batch ``i``; when training, keeps what its backward needs."""
         if not training:
-            return self._program(("forward", False), lambda x: self._chain(x, False)[:2])(x)
+
+            def infer(inputs):
+                values, activity, _, _ = self._run(inputs, False)
+                return self._sends(values) + self._predictions(values), activity
+
+            return self._program(("forward", False), infer)(list(inputs))
         if self.split and not recompute:
-            y, activity, inputs, seeds = self._program(("forward", True), lambda x: self._chain(x, True, keep=True))(x)
-            self._kept[i] = (inputs, seeds)
-            return y, activity
-        program = self._program(("forward", True), lambda x: self._chain(x, True)[:2])
-        return self._recorded(i, program, x, (), recompute, lambda out: [*_sources(out[0]), out[1]])
 
-    def forward_head(self, i: int, loss_fn, reduction: str, x, y, sample_weight, training: bool, recompute=False):
-        """Last stage, a masked output under a mean loss: ``(summed loss, denominator, y_pred, activity)``.
+            def keep(inputs):
+                values, activity, kept, seeds = self._run(inputs, True, keep=True)
+                return self._sends(values) + self._predictions(values), activity, kept, seeds
 
-        Keras divides a masked output's loss by the count of its unmasked
-        entries (``sum_over_batch_size``) or by their summed sample weights
-        (``mean_with_sample_weight``), counted over the batch. A micro-batch
-        holds only part of that count, so this returns its loss times its own
-        denominator (the sum of its entries' losses) and the denominator; the
-        backward (recorded) then seeds the sum with one over the whole batch's
-        denominator, known only after every micro-batch's forward (see
-        :func:`keras_pipe.schedule.gpipe`'s ``whole_batch_loss``). ``y_pred``
-        is ``Masked``, for the metrics.
+            outputs, activity, kept, seeds = self._program(("forward", True), keep, random=True)(list(inputs))
+            self._kept[i] = (kept, seeds)
+            return outputs, activity
+
+        def train(inputs):
+            values, activity, _, _ = self._run(inputs, True)
+            return self._sends(values) + self._predictions(values), activity
+
+        program = self._program(("forward", True), train, random=True)
+        return self._recorded(i, program, list(inputs), (), recompute, self._differentiated_sends)
+
+    def _differentiated_sends(self, out):
+        outputs, activity = out
+        kept = [o for o, t in zip(outputs, self.stage.outputs) if t in self.gradient_outputs]
+        return [o.tensor if isinstance(o, Masked) else o for o in kept] + [activity]
+
+    def forward_loss(self, loss, inputs, y, sample_weight, coefficients):
+        """Last stage, evaluation: ``(weighted loss, term values, predictions)``."""
+
+        def evaluate(inputs, y, sample_weight, coefficients):
+            values, activity, _, _ = self._run(inputs, False)
+            terms, _ = self._head(loss, values, y, sample_weight)
+            total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
+            return total, terms, self._predictions(values)
+
+        return self._program(("forward_loss", id(loss)), evaluate)(list(inputs), y, sample_weight, coefficients)
+
+    def forward_head(self, i: int, loss, inputs, y, sample_weight, training: bool, recompute: bool = False):
+        """Last stage, a loss whose divisors only every forward knows: ``(sums, divisors, predictions, activity)``.
+
+        ``sums`` is each term's value times its divisor (the micro-batch's
+        summed entries); the backward (recorded) seeds it with each term's
+        weight over the whole batch's divisor, known once every micro-batch
+        ran its forward (see :func:`keras_pipe.schedule.gpipe`'s
+        ``whole_batch_loss``).
         """
 
-        def head(x, y, sample_weight):
-            y_pred, activity = self._chain(x, training)[:2]
-            mask = compat.get_mask(y_pred)
-            loss = tf.cast(loss_fn(y, y_pred, sample_weight), tf.float32)
-            denominator = loss_denominator(mask, sample_weight, reduction)
-            return loss * denominator, denominator, _prediction(y_pred), activity
+        def head(inputs, y, sample_weight):
+            values, activity, _, _ = self._run(inputs, training)
+            terms, divisors = self._head(loss, values, y, sample_weight)
+            return terms * divisors, divisors, self._predictions(values), activity
 
-        program = self._program(("forward_head", id(loss_fn), reduction, training), head)
+        program = self._program(("forward_head", id(loss), training), head, random=training)
         if not training:
-            return program(x, y, sample_weight)
-        return self._recorded(i, program, x, (y, sample_weight), recompute, lambda out: [out[0], out[3]])
+            return program(list(inputs), y, sample_weight)
+        return self._recorded(i, program, list(inputs), (y, sample_weight), recompute, lambda out: [out[0], out[3]])
 
-    def _recorded(self, i: int, program, x, args: tuple, recompute: bool, differentiated):
-        """Runs ``program(x, *args)`` for a recorded backward: under a tape, or keeping only its input.
+    def _recorded(self, i: int, program, inputs, args: tuple, recompute: bool, differentiated):
+        """Runs ``program(inputs, *args)`` for a recorded backward: under a tape, or keeping only its input.
 
-        ``differentiated(outputs)`` picks the outputs the backward seeds
-        (the stage output's floating-point tensors and the activity loss).
+        ``differentiated(outputs)`` picks the outputs the backward seeds.
         """
         if recompute:
-            self._kept[i] = _Rerun(x, self._random_state(), program, args, differentiated)
-            return program(x, *args)
+            self._kept[i] = _Rerun(inputs, self._random_state(), program, args, differentiated)
+            return program(inputs, *args)
         tape = tf.GradientTape()
         with tape:
-            if not self.is_first:
-                tape.watch(_sources(x))
-            outputs = program(x, *args)
-        self._kept[i] = (tape, x, differentiated(outputs))
+            tape.watch(self._gradient_sources(inputs))
+            outputs = program(inputs, *args)
+        self._kept[i] = (tape, inputs, differentiated(outputs))
         return outputs
 
-    def _chain(self, x, training: bool, keep: bool = False):
-        if self.split:
-            return replay.forward(self.steps, x, training, keep)
-        activity = tf.constant(0.0, tf.float32)
-        if isinstance(x, Masked):  # activations and the Keras mask they carry
-            x, mask = x
-            x = tf.identity(x)  # a tensor of this trace's own, to carry the mask
-            compat.set_mask(x, mask)
-        for layer in self.layers:
-            x = layer(x, training=training)
-            for sub in compat.sublayers(layer):
-                for loss in compat.own_losses(sub):
-                    activity += tf.cast(tf.reduce_sum(loss), tf.float32)
-        if self.mask_out:
-            x = Masked(x, tf.cast(compat.get_mask(x), tf.bool))
-        return x, activity, [], []
-
-    def forward_loss(self, loss_fn, x, y, sample_weight, scales):
-        """Last stage, evaluation: ``(loss share, y_pred)``; ``scales = (data, activity)`` weights."""
-
-        def evaluate(x, y, sample_weight, scales):
-            y_pred, activity = self._chain(x, False)[:2]
-            return _weighted(loss_fn(y, y_pred, sample_weight), activity, scales), _prediction(y_pred)
-
-        return self._program(("forward_loss", id(loss_fn)), evaluate)(x, y, sample_weight, scales)
+    def _gradient_sources(self, inputs) -> list:
+        """The input tensors whose gradients go back to earlier stages."""
+        sources = []
+        for t, value in zip(self.stage.inputs, inputs):
+            if t in self.gradient_inputs:
+                sources.append(value.tensor if isinstance(value, Masked) else value)
+        return sources
 
     # -- backward -----------------------------------------------------------
 
-    def forward_backward(self, i: int, loss_fn, x, y, sample_weight, scales):
-        """Last stage, ``FB`` or ``FI``: ``(loss share, y_pred, input gradient)`` of micro-batch ``i``."""
-        need_input = not self.is_first
+    def forward_backward(self, i: int, loss, inputs, y, sample_weight, coefficients):
+        """Last stage, ``FB`` or ``FI``: ``(weighted loss, term values, predictions, input gradients)``."""
         if self.split:
 
-            def forward_input(x, y, sample_weight, scales):
-                y_pred, activity, inputs, seeds = replay.forward(self.steps, x, True, keep=True)
+            def forward_input(inputs, y, sample_weight, coefficients):
+                values, activity, kept, seeds = self._run(inputs, True, keep=True)
+                terms_out = []
 
-                def head(y_pred):
-                    return tf.cast(loss_fn(y, y_pred, sample_weight), tf.float32) * scales[0]
+                def head(values):
+                    terms, _ = self._head(loss, values, y, sample_weight)
+                    terms_out.append(terms)
+                    return tf.reduce_sum(terms * coefficients[:-1])
 
-                dx, step_grads = replay.input_gradient(self.steps, inputs, seeds, None, scales[1], need_input, head)
-                loss = head(y_pred) + activity * scales[1]
-                return loss, y_pred, _or_empty(dx), _weighted_parts(self.steps, inputs, step_grads)
+                dx, step_grads = replay.input_gradient(
+                    self.steps,
+                    kept,
+                    seeds,
+                    {},
+                    coefficients[-1],
+                    self.gradient_inputs,
+                    head,
+                    self._head_from,
+                    values,
+                    self.stage.outputs[self.num_sends :],
+                )
+                terms = terms_out[-1]
+                total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
+                return total, terms, self._predictions(values), _filled(dx, inputs, self), self._parts(kept, step_grads)
 
-            loss, y_pred, dx, parts = self._program(("forward_input", id(loss_fn)), forward_input)(
-                x, y, sample_weight, scales
-            )
+            total, terms, predictions, dx, parts = self._program(
+                ("forward_input", id(loss)), forward_input, random=True
+            )(list(inputs), y, sample_weight, coefficients)
             self._for_weights[i] = parts
-            return loss, y_pred, dx
+            return total, terms, predictions, dx
 
-        def forward_backward(x, y, sample_weight, scales):
+        def forward_backward(inputs, y, sample_weight, coefficients):
+            sources_in = self._gradient_sources(inputs)
             with tf.GradientTape() as tape:
-                if need_input:
-                    tape.watch(_sources(x))
-                y_pred, activity = self._chain(x, True)[:2]
-                loss = _weighted(loss_fn(y, y_pred, sample_weight), activity, scales)
-            inputs = _sources(x) if need_input else []
-            sources = inputs + self.trainable_variables
-            grads = tape.gradient(loss, sources)
-            dx = None
-            if need_input:
-                dx = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[: len(inputs)], inputs)]
-                dx = _input_gradient(x, dx)
-            return loss, _prediction(y_pred), _or_empty(dx), self.gradients.add_in_graph(grads[len(inputs) :])
+                tape.watch(sources_in)
+                values, activity, _, _ = self._run(inputs, True)
+                terms, _ = self._head(loss, values, y, sample_weight)
+                total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
+            grads = tape.gradient(total, sources_in + self.trainable_variables)
+            dx = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[: len(sources_in)], sources_in)]
+            sparse = self.gradients.add_in_graph(grads[len(sources_in) :])
+            return total, terms, self._predictions(values), dx, sparse
 
         self.gradients.prepare()
-        loss, y_pred, dx, sparse = self._program(
-            ("forward_backward", id(loss_fn), self.gradients.empty), forward_backward
-        )(x, y, sample_weight, scales)
+        total, terms, predictions, dx, sparse = self._program(
+            ("forward_backward", id(loss), self.gradients.empty), forward_backward, random=True
+        )(list(inputs), y, sample_weight, coefficients)
         self.gradients.added(sparse)
-        return loss, y_pred, dx
+        return total, terms, predictions, dx
 
-    def backward(self, i: int, grad, activity_scale: float):
-        """``B`` (recorded) or ``I`` (split) of micro-batch ``i`` given its output gradient; the input gradient."""
-        need_input = not self.is_first
+    def backward(self, i: int, grads: list, activity_scale: float):
+        """``B`` (recorded) or ``I`` (split) of micro-batch ``i`` given its outputs' gradients; the input gradients.
+
+        ``grads`` are the gradients of the stage's differentiated outputs, in
+        order (or, last stage under a whole-batch loss, each term's seed).
+        """
         if self.split:
-            inputs, seeds = self._kept.pop(i)
+            kept, seeds = self._kept.pop(i)
+            outputs = dict(zip(self.gradient_outputs, grads))
 
-            def input_grad(inputs, seeds, grad, activity_scale):
-                dx, step_grads = replay.input_gradient(self.steps, inputs, seeds, grad, activity_scale, need_input)
-                return _or_empty(dx), _weighted_parts(self.steps, inputs, step_grads)
+            def input_grad(kept, seeds, outputs, activity_scale):
+                dx, step_grads = replay.input_gradient(
+                    self.steps, kept, seeds, outputs, activity_scale, self.gradient_inputs
+                )
+                return _filled_from_kept(dx, kept, self), self._parts(kept, step_grads)
 
-            dx, parts = self._program("input_grad", input_grad)(inputs, seeds, grad, tf.constant(activity_scale))
+            dx, parts = self._program("input_grad", input_grad, random=True)(
+                kept, seeds, outputs, tf.constant(activity_scale)
+            )
             self._for_weights[i] = parts
-            return dx if need_input else None
+            return dx if self.gradient_inputs else None
         kept = self._kept.pop(i)
         if isinstance(kept, _Rerun):
-            return self._rerun_backward(kept, grad, activity_scale)
-        tape, x, outputs = kept
-        inputs = _sources(x) if need_input else []
-        sources = inputs + self.trainable_variables
-        output_grads = (grad if isinstance(grad, list) else [grad]) + [tf.constant(activity_scale, tf.float32)]
-        grads = tape.gradient(outputs, sources, output_gradients=output_grads)
+            return self._rerun_backward(kept, grads, activity_scale)
+        tape, inputs, outputs = kept
+        sources_in = self._gradient_sources(inputs)
+        sources = sources_in + self.trainable_variables
+        output_grads = list(grads) + [tf.constant(activity_scale, tf.float32)]
+        all_grads = tape.gradient(outputs, sources, output_gradients=output_grads)
         del tape, outputs  # the activations this micro-batch kept
-        grads = [tf.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(grads, sources)]
-        self.gradients.add(grads[len(inputs) :])
-        return _input_gradient(x, grads[: len(inputs)]) if need_input else None
+        all_grads = [tf.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(all_grads, sources)]
+        self.gradients.add(all_grads[len(sources_in) :])
+        return all_grads[: len(sources_in)] if self.gradient_inputs else None
 
-    def weights(
-        self, microbatches, activity_scale: float, regularize: bool, optimizer=None, loss_scale: float = 1.0
-    ) -> None:
-        """``W`` over ``microbatches``: adds their weight gradients (and, if ``regularize``, the weight regularizers').
+    def _parts(self, kept, step_grads):
+        """(inputs, output gradients) of each weighted step that got a gradient: what ``W`` needs."""
+        return [(kept[k], step_grads[k]) if step_grads[k] is not None else None for k in self._weighted]
 
-        With an ``optimizer`` (the step's last ``W`` and no replica to wait
-        for) the gradients go straight into its update, in the same program.
-        """
-        if not self.trainable_variables:
-            for i in microbatches:
-                self._for_weights.pop(i, None)
-            return
-        # per weighted step, its inputs and output gradients over the micro-batches
-        parts = [self._for_weights.pop(i) for i in microbatches]
-        inputs = [[p[0][k] for p in parts] for k in range(len(parts[0][0]))]
-        grads = [[p[1][k] for p in parts] for k in range(len(parts[0][1]))]
-        weighted = [k for k, s in enumerate(self.steps) if s.variables]
-
-        def weight_grads(inputs, grads, activity_scale, loss_scale):
-            full_in, full_g = [None] * len(self.steps), [None] * len(self.steps)
-            for position, k in enumerate(weighted):
-                full_in[k], full_g[k] = inputs[position], grads[position]
-            result = replay.weight_gradients(self.steps, full_in, full_g, activity_scale)
-            if regularize:
-                regularizers = self._regularization_gradients()
-                result = [
-                    tf.convert_to_tensor(g) + r * tf.cast(loss_scale, r.dtype) if v.regularizer is not None else g
-                    for g, r, v in zip(result, regularizers, self.trainable_variables)
-                ]
-            return result
-
-        scales = (tf.constant(activity_scale, tf.float32), tf.constant(loss_scale, tf.float32))
-        if optimizer is not None and self.gradients.empty:
-
-            def weights_and_update(inputs, grads, activity_scale, loss_scale):
-                optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), self.trainable_variables)
-
-            self._program(("weights_update", id(optimizer), regularize), weights_and_update)(inputs, grads, *scales)
-            return
-        result = self._program(("weights", regularize), weight_grads)(inputs, grads, *scales)
-        self.gradients.add(result)
-        if optimizer is not None:
-            self.apply(optimizer)
-
-    # -- the end of a step ----------------------------------------------------
-
-    def add_regularization(self, loss_scale: float = 1.0) -> tf.Tensor:
-        """Adds the weight regularizers' gradients (recorded backward), times ``loss_scale``; returns their loss."""
-
-        def regularization(loss_scale):
-            with tf.GradientTape() as tape:
-                loss = self._regularization_loss()
-                scaled = loss * loss_scale
-            return loss, tape.gradient(scaled, self.trainable_variables)
-
-        loss, grads = self._program("regularization_gradients", regularization)(tf.constant(loss_scale, tf.float32))
-        self.gradients.add(
-            [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
-        )
-        return loss
-
-    def regularization_loss(self) -> tf.Tensor:
-        """The loss of this stage's weight regularizers (counted once per batch, as Keras does)."""
-        return self._program("regularization", self._regularization_loss)()
-
-    def _regularization_loss(self):
-        loss = tf.constant(0.0, tf.float32)
-        for layer in self.layers:
-            for term in compat.weight_regularization_losses(layer):
-                loss += tf.cast(term, tf.float32)
-        return loss
-
-    def _regularization_gradients(self):
-        handles = [compat.variable_handle(v) for v in self.trainable_variables]
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(handles)
-            loss = self._regularization_loss()
-        grads = tape.gradient(loss, handles)
-        return [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
-
-    def apply(self, optimizer, grads=None, scale: float | None = None) -> None:
-        """One optimizer step with ``grads`` (summed over replicas) or this step's summed gradients.
-
-        ``scale``: multiplies every gradient first (the whole model's ``global_clipnorm``).
-        """
-        if not self.trainable_variables:
-            return
-        given = grads is not None
-        grads = list(grads) if given else self.gradients.result()
-
-        def update(*grads):
-            optimizer.apply(list(grads), self.trainable_variables)
-
-        def scaled_update(scale, *grads):
-            optimizer.apply([_scaled(g, scale) for g in grads], self.trainable_variables)
-
-        if scale is None:
-            self._program(("apply", id(optimizer)), update)(*grads)
-        else:
-            self._program(("scaled_apply", id(optimizer)), scaled_update)(tf.constant(scale, tf.float32), *grads)
-        self.gradients.reset()
-
-    def squared_norm(self, grads) -> float:
-        """The sum of the squares of ``grads`` (this stage's share of the whole model's gradient norm)."""
-        if not grads:
-            return 0.0
-
-        def squares(*grads):  # in float64: a large loss scale must not overflow the sum
-            return tf.add_n([tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float64))) for g in grads])
-
-        return float(self._program("squared_norm", squares)(*grads))
+    def _first_head_step(self) -> int:
+        """Last stage: the first step that writes a model output (it and every later one replay with the loss)."""
+        if self.output_structure is None:
+            return len(self.steps)
+        outputs = set(self.stage.outputs[self.num_sends :])
+        positions = [k for k, step in enumerate(self.steps) if outputs & set(step.outputs)]
+        return min(positions) if positions else len(self.steps)
 
     def _random_state(self) -> list:
         return [tf.identity(v) for v in self._generator_states]
 
-    def _rerun_backward(self, rerun: _Rerun, grad, activity_scale: float):
+    def _rerun_backward(self, rerun: _Rerun, grads, activity_scale: float):
         """``B`` of a recomputed micro-batch, one compiled program: its forward again, then its backward.
 
         The forward reruns with the random state it first had (the same
@@ -454,33 +441,33 @@ class StageCompute:
         The weight gradients go into the accumulators inside the program, so
         none is materialized beside them.
         """
-        need_input = not self.is_first
         generators, others = self._generator_states, self._forward_updates
 
-        def rerun_backward(x, args, states, grad, activity_scale):
+        def rerun_backward(inputs, args, states, grads, activity_scale):
             now = [tf.identity(v) for v in generators]
             before = [tf.identity(v) for v in others]
             for variable, value in zip(generators, states):
                 variable.assign(value)
-            inputs = _sources(x) if need_input else []
+            sources_in = self._gradient_sources(inputs)
             with tf.GradientTape() as tape:
-                tape.watch(inputs)
-                outputs = rerun.differentiated(rerun.program.python(x, *args))
-            output_grads = (grad if isinstance(grad, list) else [grad]) + [activity_scale]
-            grads = tape.gradient(outputs, inputs + self.trainable_variables, output_gradients=output_grads)
+                tape.watch(sources_in)
+                outputs = rerun.differentiated(rerun.program.python(inputs, *args))
+            all_grads = tape.gradient(
+                outputs, sources_in + self.trainable_variables, output_gradients=list(grads) + [activity_scale]
+            )
             for variable, value in zip(generators + others, now + before):
                 variable.assign(value)
-            dx = None
-            if need_input:
-                dx = _input_gradient(x, [tf.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)])
-            return _or_empty(dx), self.gradients.add_in_graph(grads[len(inputs) :])
+            dx = [tf.zeros_like(t) if g is None else g for g, t in zip(all_grads, sources_in)]
+            return dx, self.gradients.add_in_graph(all_grads[len(sources_in) :])
 
         self.gradients.prepare()
-        dx, sparse = self._program(("rerun_backward", id(rerun.program), self.gradients.empty), rerun_backward)(
-            rerun.x, rerun.args, rerun.states, grad, tf.constant(activity_scale, tf.float32)
-        )
+        dx, sparse = self._program(
+            ("rerun_backward", id(rerun.program), self.gradients.empty), rerun_backward, random=True
+        )(rerun.inputs, rerun.args, rerun.states, list(grads), tf.constant(activity_scale, tf.float32))
         self.gradients.added(sparse)
-        return dx if need_input else None
+        return dx if self.gradient_inputs else None
+
+    # -- the step's bounds -----------------------------------------------------
 
     def begin_step(self) -> None:
         """Before a training step: deferred batch norms start summing the batch's statistics."""
@@ -499,94 +486,102 @@ class StageCompute:
         self.gradients.reset()
 
 
-RECOMPUTE = ("never", "except_last", "always")
+class _StageProgram:
+    """A stage's :class:`~keras_pipe.programs.Program`, with the value checks XLA would skip.
+
+    Where XLA may compile the program, each id an ``Embedding`` looks up and
+    each label of a sparse cross-entropy is checked against its range, as
+    TensorFlow's own kernels check them without XLA (XLA reads past a table,
+    or gives NaN, silently): the program returns each one's smallest and
+    largest value beside its result, and a value out of range is an
+    ``InvalidArgumentError`` naming it, as the unsplit model's.
+    """
+
+    def __init__(self, compute, key, function, random: bool):
+        self.python = function
+        self.notes: list = []
+        self.checked = compute.jit is not False and not compute.eager
+        jit = compute.jit is True or (compute.jit == "auto" and not (random and compute.draws_random))
+
+        def traced(*args):
+            compute._checks = [] if self.checked else None
+            try:
+                result = function(*args)
+            finally:
+                checks, compute._checks = compute._checks, None
+            if not self.checked:
+                return result
+            self.notes = [note for note, _ in checks]
+            return result, [value for _, value in checks]
+
+        name = key[0] if isinstance(key, tuple) else key
+        strict = random and compute.draws_random and compute.jit is True
+        self.program = Program(
+            traced,
+            jit and compute.jit is not False,
+            compute.eager,
+            f"the {name} program of stage {compute.stage.index}",
+            strict,
+        )
+
+    def __call__(self, *args):
+        result = self.program(*args)
+        if not self.checked:
+            return result
+        result, values = result
+        for (note, low, high), value in zip(self.notes, values):
+            smallest, largest = (int(v) for v in np.asarray(value))
+            if smallest < low or largest >= high:
+                bad = smallest if smallest < low else largest
+                raise tf.errors.InvalidArgumentError(
+                    None, None, f"{note} {bad}, which is outside the valid range [{low}, {high})."
+                )
+        return result
 
 
 class _Rerun(NamedTuple):
-    """What a recomputed micro-batch keeps until its backward: its input and the random generators' state.
+    """What a recomputed micro-batch keeps until its backward: its inputs and the random generators' state.
 
-    Its forward runs again as ``program(x, *args)``; ``differentiated`` picks the outputs the backward seeds.
+    Its forward runs again as ``program(inputs, *args)``; ``differentiated`` picks the outputs the backward seeds.
     """
 
-    x: object
+    inputs: object
     states: list
     program: object
     args: tuple
     differentiated: object
 
 
-def loss_denominator(mask, sample_weight, reduction: str):
-    """What Keras divides the summed loss of a masked output by: its unmasked entries, or their weights.
-
-    As ``keras.losses.Loss`` with a mask: ``sum_over_batch_size`` (and
-    ``mean``) divides by the count of unmasked entries, ``mean_with_sample_weight``
-    by the sum of their sample weights. (``sum`` divides by nothing: its
-    micro-batches' losses add up, and never come here, see ``Engine.whole_batch_loss``.)
-    """
-    mask = tf.cast(mask, tf.float32)
-    if reduction == "mean_with_sample_weight" and sample_weight is not None:
-        weights = tf.cast(sample_weight, tf.float32)
-        while weights.shape.rank < mask.shape.rank:  # one weight per row, over its entries
-            weights = weights[..., None]
-        return tf.reduce_sum(weights * mask)
-    return tf.reduce_sum(mask)
-
-
 def check_recompute(value) -> None:
     """Refuses an unknown ``recompute`` option, naming the accepted ones."""
     if value not in RECOMPUTE:
-        from keras_pipe.errors import PipelineConfigError
-
         raise PipelineConfigError(
             f"recompute={value!r}: give one of {', '.join(map(repr, RECOMPUTE))} (as torchgpipe's checkpoint: "
             "'always' keeps only each micro-batch's input and reruns its forward during the backward)."
         )
 
 
-def _sources(value) -> list:
-    """The floating-point tensors of a stage's input or output, whose gradients cross the boundary.
-
-    One tensor (a ``Masked`` one without its mask), or each floating-point
-    tensor of a structure (integer tensors, token ids say, have no gradient).
-    """
-    if isinstance(value, Masked):
-        return [value.tensor]
-    if not _several(value):
-        return [value]
-    return [t for t in tf.nest.flatten(value) if t.dtype.is_floating]
+def _filled(dx, inputs, compute) -> list:
+    """Input gradients with zeros where nothing in the stage read an input."""
+    like = dict(zip(compute.stage.inputs, inputs))
+    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, compute.gradient_inputs)]
 
 
-def _input_gradient(x, grads: list):
-    """What the previous stage receives: a tensor, or a list where its output is a structure."""
-    return list(grads) if _several(x) else grads[0]
+def _filled_from_kept(dx, kept, compute) -> list:
+    like = {}
+    for step, step_inputs in zip(compute.steps, kept):
+        like.update(zip(step.inputs, step_inputs))
+    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, compute.gradient_inputs)]
 
 
-def _several(value) -> bool:
-    """Whether a stage's input or output is a structure of tensors (a ``Masked`` tensor is one tensor)."""
-    return isinstance(value, (tuple, list, dict)) and not isinstance(value, Masked)
+def _zeros_like(value):
+    return tf.zeros_like(value.tensor if isinstance(value, Masked) else value)
 
 
-def _prediction(y_pred):
-    """The model's output, ``Masked`` where it carries a Keras mask: the metrics need the mask, as the loss does."""
-    mask = compat.get_mask(y_pred)
-    return y_pred if mask is None else Masked(y_pred, tf.cast(mask, tf.bool))
-
-
-def _scaled(grad, scale):
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad * tf.cast(scale, grad.dtype)
-
-
-def _weighted(loss, activity, scales):
-    return tf.cast(loss, tf.float32) * scales[0] + activity * scales[1]
-
-
-def _weighted_parts(steps, inputs, step_grads):
-    """(inputs, output gradients) of the weighted steps only: what ``W`` needs."""
-    kept = [k for k, s in enumerate(steps) if s.variables]
-    return [inputs[k] for k in kept], [step_grads[k] for k in kept]
-
-
-def _or_empty(tensor):
-    return tf.zeros((0,)) if tensor is None else tensor
+def _unique(items) -> list:
+    seen, result = set(), []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            result.append(item)
+    return result

@@ -1,11 +1,12 @@
-"""Internal: the pipeline under one ``PipelineModel`` — topology, split, stage, steps, logs.
+"""Internal: the pipeline under one ``PipelineModel`` — topology, cut, stage, steps, logs.
 
 The engine owns everything that spans ranks: the communicators and the
-layout (:mod:`keras_pipe.topology`), the layer specs and the split
-(:mod:`keras_pipe.partition`), this rank's stage (compute, links, executor),
-the per-step agreement and the log sharing. ``PipelineModel`` is a thin
-Keras façade over it; saving, weights, the timeline and the benchmarks use
-the engine's public attributes below, never the façade's private ones.
+layout (:mod:`keras_pipe.topology`), the model's graph and its cut
+(:mod:`keras_pipe.graph`, :mod:`keras_pipe.cut`), this rank's stage
+(compute, links, executor), the per-step agreement and the log sharing.
+``PipelineModel`` is a thin Keras façade over it; saving, weights, the
+timeline and the benchmarks use the engine's public attributes below, never
+the façade's private ones.
 
 Building is an explicit collective step (:meth:`Engine.build`): nothing
 communicates behind a property.
@@ -20,15 +21,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import partition, schedule
-from keras_pipe.allreduce import ReplicaReducer
-from keras_pipe.compute import StageCompute, check_recompute
+from keras_pipe import cut as cuts
+from keras_pipe import graph as graphs
+from keras_pipe import probe, schedule
+from keras_pipe.allreduce import ReplicaReducer, TiedReducer
+from keras_pipe.compute import Masked, StageCompute, check_recompute
 from keras_pipe.consistency import StepAgreement
 from keras_pipe.devices import check_all_ranks, try_configure_gpus
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.executor import Batch, Executor
-from keras_pipe.links import Links, Masked
+from keras_pipe.links import Links
 from keras_pipe.logs import LogSharing
+from keras_pipe.losses import divisor_shares
 from keras_pipe.microbatch import microbatch_bounds, replica_bounds
 from keras_pipe.profile import balance_by_time
 from keras_pipe.runtime import init, start_entry_agreement
@@ -42,11 +46,20 @@ class Engine:
     Public attributes: ``world``, ``pipeline`` and ``replicas`` (the
     communicators), ``layout``, ``stage``/``replica`` (this rank's place),
     ``num_stages``/``num_replicas``, ``num_microbatches``, ``schedule``, and
-    once built ``specs``, ``balance``, ``compute`` (this stage) and
-    ``executor``.
+    once built ``graph`` (the model's :class:`~keras_pipe.graph.ModelGraph`),
+    ``cut``, ``balance``, ``compute`` (this stage) and ``executor``.
     """
 
-    def __init__(self, num_stages, stall_timeout, num_microbatches, schedule_name: str, balance, recompute="never"):
+    def __init__(
+        self,
+        num_stages,
+        stall_timeout,
+        num_microbatches,
+        schedule_name: str,
+        balance,
+        recompute="never",
+        split_before=None,
+    ):
         init()
         topology = connect(num_stages, stall_timeout)
         start_entry_agreement(topology.world)
@@ -67,27 +80,32 @@ class Engine:
         schedule.check_microbatches(num_microbatches)
         schedule.check_name(schedule_name)
         check_recompute(recompute)
+        if split_before is not None and balance is not None:
+            raise PipelineConfigError("give balance or split_before, not both: each says where the stages begin.")
         self.recompute = recompute
         self.num_microbatches = num_microbatches
         self.schedule = schedule_name
         self.balance_option = balance
+        self.split_before = list(split_before) if split_before is not None else None
         self.is_first = self.stage == 0
         self.is_last = self.stage == self.num_stages - 1
         first_stages = [pipeline[0] for pipeline in self.layout.pipelines] if self.num_replicas > 1 else []
         self.steps = StepAgreement(self.world, data_ranks=first_stages)
         self.logs = LogSharing(self.world, source=self.layout.rank_of(0, self.num_stages - 1))
         self.where = f"stage {self.stage}" + (f" of replica {self.replica}" if self.replicas is not None else "")
-        self.specs = None
+        self.graph: graphs.ModelGraph | None = None
+        self.cut: cuts.Cut | None = None
         self.balance = None
         self.compute: StageCompute | None = None
         self.executor: Executor | None = None
-        self.input_spec = None  # (shape, dtype) of the model input
+        self.links: Links | None = None
+        self.masks: dict | None = None  # each tensor's Keras mask, measured on real tensors (first batch)
         self._schedules: dict = {}
         self._tracer = None
-        self.jit, self.eager = True, False
+        self.jit, self.eager = "auto", False
 
-    def configure(self, jit: bool, eager: bool) -> None:
-        """How the stage compiles its programs (``compile(jit_compile=..., run_eagerly=...)``)."""
+    def configure(self, jit, eager: bool) -> None:
+        """How the stage compiles its programs (``compile(jit_compile=True | False | "auto", run_eagerly=...)``)."""
         self.jit, self.eager = jit, eager
         if self.compute is not None:
             self.compute.configure(jit, eager)
@@ -98,53 +116,67 @@ class Engine:
 
     # -- building (collective) -------------------------------------------------
 
-    def build(self, layers: list, input_shape, input_dtype, rows: int = 32) -> list:
-        """Splits ``layers`` over the stages and builds this rank's (collective); returns them.
+    def build(self, model_graph: graphs.ModelGraph, rows: int = 32, release: bool = True) -> list:
+        """Cuts the model's graph into stages and builds this rank's (collective); returns its layers.
 
-        ``rows`` is the micro-batch size ``balance="time"`` measures with.
+        ``rows`` is the micro-batch size ``balance="time"`` measures with. With
+        ``release=False`` the other stages' weights stay where they are
+        allocated (until :meth:`release_others`).
         """
-        if not layers:
+        plain = model_graph.plain
+        if not plain.nodes:
             raise PipelineConfigError("the PipelineModel has no layers; pass a list of layers.")
-        partition.check_num_stages(len(layers), self.num_stages)
-        specs = partition.infer_specs(layers, input_shape, input_dtype)
-        if self.balance_option is None:
-            balance = partition.balance_by_params(specs, self.num_stages)
+        cuts.check_num_stages(len(plain.nodes), self.num_stages)
+        if self.split_before is not None:
+            sizes = cuts.sizes_before(plain, self.split_before, self.num_stages)
+        elif self.balance_option is None:
+            sizes = cuts.balance_by_cost([node.cost for node in plain.nodes], self.num_stages)
         elif isinstance(self.balance_option, str) and self.balance_option == "time":
-            balance = balance_by_time(layers, specs, self.num_stages, self.world, self.stage, rows)
+            sizes = balance_by_time(model_graph, self.num_stages, self.world, self.stage, rows)
         else:
-            balance = partition.check_balance(self.balance_option, len(layers), self.num_stages)
-        self._warn_about_batch_statistics(layers)
-        start, stop = partition.stage_bounds(balance)[self.stage]
-        own = layers[start:stop]
-        x = specs[start].input_template
-        if x is None:
-            x = keras.KerasTensor(specs[start].input_shape, specs[start].input_dtype)
-        x = keras.tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), x)
-        out = x
-        for layer in own:
-            out = layer(out)
-        self.specs, self.balance = specs, balance
-        self.input_spec = (tuple(input_shape), str(input_dtype))
-        mask_in = specs[start - 1].output_mask_shape if start else None
-        mask_out = specs[stop - 1].output_mask_shape if not self.is_last else None
-        masked = mask_in is not None or any(spec.output_mask_shape is not None for spec in specs[start:stop])
-        several = any(spec.output_template is not None for spec in specs[max(start - 1, 0) : stop])
+            sizes = cuts.sizes_of_layers(plain, self.balance_option, self.num_stages)
+        the_cut = cuts.cut(plain, sizes)
+        stage = the_cut.stages[self.stage]
+        own = [model_graph.units[unit] for unit in stage.units]
+        graphs.allocate(own)
+        self._warn_about_batch_statistics(model_graph)
+        self.graph, self.cut, self.balance = model_graph, the_cut, list(sizes)
+        calls = [model_graph.calls[n] for n in stage.nodes]
+        output_structure = model_graph.output_structure() if self.is_last else None
+        regularized = [
+            model_graph.units[u] for u in stage.units if min(the_cut.shared.get(u, [self.stage])) == self.stage
+        ]
         self.compute = StageCompute(
-            own, self.is_first, self.jit, self.eager, masked, mask_out is not None, self.recompute, several
+            stage, calls, plain, own, self.jit, self.eager, self.recompute, output_structure, regularized
         )
-        links = Links(self.pipeline, x, out, mask_in) if self.num_stages > 1 else None
+        self.links = Links(self.pipeline, stage, plain.tensors) if self.num_stages > 1 else None
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
+        tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph, self.compute.trainable_variables)
         pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
         self.executor = Executor(
-            self.compute, links, reducer, self.is_first, self.is_last, self.world, self.where, pipeline_sum
+            self.compute, self.links, reducer, self.is_first, self.is_last, self.world, self.where, pipeline_sum, tied
         )
         self.executor.tracer = self._tracer
+        if release:
+            self.release_others()
         return own
 
-    def _warn_about_batch_statistics(self, layers) -> None:
+    def reset(self) -> None:
+        """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""
+        self.graph = self.cut = self.balance = self.compute = self.executor = self.links = self.masks = None
+        self._schedules.clear()
+
+    def release_others(self) -> None:
+        """Frees the weights of the layers other stages hold (a model handed in built had them all)."""
+        held = set(self.cut.stages[self.stage].units)
+        graphs.release([layer for unit, layer in self.graph.units.items() if unit not in held])
+
+    def _warn_about_batch_statistics(self, model_graph) -> None:
         if self.num_microbatches > 1 and self.world.rank == 0:
             # (with replicas, statistics are also per replica, as in any data-parallel Keras)
-            normalising = [layer.name for layer in layers if isinstance(layer, keras.layers.BatchNormalization)]
+            normalising = [
+                layer.name for layer in model_graph.units.values() if isinstance(layer, keras.layers.BatchNormalization)
+            ]
             if normalising:
                 warnings.warn(
                     f"BatchNormalization layers {normalising} compute their statistics per micro-batch "
@@ -152,6 +184,35 @@ class Engine:
                     "num_microbatches=1 or a normalisation without batch statistics (LayerNormalization).",
                     stacklevel=4,
                 )
+
+    def measure(self, x: list | None) -> None:
+        """The first batch's real forward (collective over the pipeline): what each crossing carries.
+
+        ``x``: first stage, the batch's model inputs; the first micro-batch's rows are used.
+        """
+        if self.masks is not None:
+            return
+        sample = None
+        if self.is_first:
+            rows = microbatch_bounds(int(x[0].shape[0]), self.num_microbatches)[0][1]
+            sample = [t[:rows] for t in x]
+        self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
+        measured = probe.measure(self.compute.stage, self.compute.calls, self.links, self.pipeline, sample)
+        problems = probe.differences(self.cut.graph, measured)
+        if problems:
+            raise PipelineConfigError(
+                "the model's tensors do not have the shapes its graph says: " + "; ".join(problems[:5])
+            )
+        self.masks = probe.masks_of(self.cut.graph, measured)
+        self.compute.set_masks(self.masks)
+        if self.links is not None:
+            self.links.set_masks(self.masks)
+        self._schedules.clear()
+
+    def output_masked(self) -> list[bool]:
+        """For each flat model output, whether it carries a Keras mask (measured; the graph's until then)."""
+        masks = self.masks or {t: tensor.mask for t, tensor in enumerate(self.cut.graph.tensors)}
+        return [masks.get(t) is not None for t in self.cut.graph.outputs]
 
     @property
     def tracer(self):
@@ -193,20 +254,26 @@ class Engine:
             self._schedules[key] = actions
         return self._schedules[key]
 
-    def run(self, phase: str, x, y, sample_weight, loss_fn=None, loss_reduction=None, optimizer=None):
-        """Runs one global batch through this stage: ``(loss share, predictions)``.
+    def run(self, phase: str, x, batch_size: int, y=None, sample_weight=None, loss=None, optimizer=None):
+        """Runs one global batch through this stage: ``(loss share, term values, flat predictions)``.
 
-        ``predictions`` are the global batch's, on the last stage (every
-        replica's share, gathered), else ``None``. ``y``/``sample_weight`` are
-        the global batch's, on the last stage.
+        ``x`` is the flat list of model inputs (first stage), ``y`` and
+        ``sample_weight`` the global batch's (last stage). ``predictions`` are
+        the global batch's flat model outputs on the last stage (every
+        replica's share, gathered), else ``None``.
         """
-        batch_size = int(x.shape[0])
+        self.measure(x)
         first, last = replica_bounds(batch_size, self.num_replicas)[self.replica]
         bounds = (
             [(first + a, first + b) for a, b in microbatch_bounds(last - first, self.num_microbatches)]
             if (last > first)
             else []
         )
+        whole = phase != "predict" and loss is not None and loss.whole_batch()
+        shares = term_weights = None
+        if loss is not None and self.is_last:
+            shares = divisor_shares(loss.reductions(), bounds, sample_weight, batch_size, [p for p, *_ in loss.terms])
+            term_weights = np.asarray(loss.weights(), np.float64)
         batch = Batch(
             phase=phase,
             batch_size=batch_size,
@@ -214,35 +281,40 @@ class Engine:
             x=x,
             y=y,
             sample_weight=sample_weight,
-            loss_fn=loss_fn,
-            loss_reduction=loss_reduction,
+            loss=loss if self.is_last else None,
+            shares=shares,
+            term_weights=term_weights,
             optimizer=optimizer,
             regularize=self.replica == 0 and phase != "predict",
-            whole_batch_loss=phase != "predict" and self.whole_batch_loss(loss_reduction),
+            whole_batch_loss=whole,
         )
-        actions = self.actions(phase, len(bounds), batch.whole_batch_loss) if bounds else []
+        actions = self.actions(phase, len(bounds), whole) if bounds else []
         result = self.executor.run(actions, batch)
         if not self.is_last:
-            return result.loss_part, None
-        predictions = result.predictions or [self._no_predictions(phase)]  # (a replica with no share)
-        if isinstance(predictions[0], Masked):  # with the output's Keras mask, for the metrics
-            y_pred = Masked(*(tf.concat(parts, axis=0) for parts in zip(*predictions)))
-        else:
-            y_pred = tf.concat(predictions, axis=0)
-        return result.loss_part, self.gather_replicas(y_pred, batch_size)
+            return result.loss_part, None, None
+        outputs = len(self.cut.graph.outputs)
+        parts = [p for p in result.predictions if p is not None] or [self._no_predictions(phase)]
+        flat = []
+        for k in range(outputs):
+            pieces = [p[k] for p in parts]
+            if isinstance(pieces[0], Masked):
+                flat.append(Masked(*(tf.concat(part, axis=0) for part in zip(*pieces))))
+            else:
+                flat.append(tf.concat(pieces, axis=0))
+        return result.loss_part, result.terms, [self.gather_replicas(p, batch_size) for p in flat]
 
-    def _no_predictions(self, phase: str):
-        shape, dtype = self.output_spec()
-        y_pred = tf.zeros((0,) + tuple(shape[1:]), dtype)
-        mask = self.specs[-1].output_mask_shape
-        if mask is None or phase == "predict":
-            return y_pred
-        return Masked(y_pred, tf.zeros((0,) + tuple(mask[1:]), tf.bool))
-
-    def whole_batch_loss(self, loss_reduction) -> bool:
-        """Whether the loss is a mean over a masked output's entries (see ``Executor``): counted over the batch."""
-        masked = self.specs is not None and self.specs[-1].output_mask_shape is not None
-        return masked and loss_reduction is not None and loss_reduction != "sum"
+    def _no_predictions(self, phase: str) -> list:
+        """A replica with no share of the batch: empty predictions of the right shapes."""
+        empty = []
+        for t in self.cut.graph.outputs:
+            tensor = self.cut.graph.tensors[t]
+            y_pred = tf.zeros((0,) + tuple(d or 1 for d in tensor.shape[1:]), tensor.dtype)
+            mask = (self.masks or {}).get(t)
+            if mask is None or phase == "predict":
+                empty.append(y_pred)
+            else:
+                empty.append(Masked(y_pred, tf.zeros((0,) + tuple(d or 1 for d in mask[1:]), tf.bool)))
+        return empty
 
     def gather_replicas(self, y_pred, batch_size: int):
         """Last stage: the whole global batch's predictions (``Masked`` ones too), every replica's share, in order."""
@@ -254,45 +326,39 @@ class Engine:
             return Masked(self.gather_replicas(y_pred.tensor, batch_size), tf.convert_to_tensor(mask.astype(bool)))
         return tf.convert_to_tensor(self.replicas.allgather_rows(y_pred.numpy(), counts))
 
-    def output_spec(self):
-        """``(shape, dtype)`` of the model's output, known on every rank from the layer specs."""
-        last = self.specs[-1]
-        return last.output_shape, last.output_dtype
-
-    def broadcast_predictions(self, y_pred, batch_size: int):
-        """Every rank gets the last stage's predictions of the batch."""
+    def broadcast_predictions(self, flat, batch_size: int) -> list:
+        """Every rank gets the last stage's flat predictions of the batch (shapes travel: they may vary)."""
         if self.num_stages == 1:
-            return y_pred
-        shape, dtype = self.output_spec()
-        buffer = (
-            y_pred.numpy()
-            if self.is_last
-            else np.empty((batch_size,) + tuple(shape[1:]), tf.as_dtype(dtype).as_numpy_dtype)
-        )
-        return tf.convert_to_tensor(self.pipeline.bcast_array(buffer, root=self.num_stages - 1))
+            return flat
+        root = self.num_stages - 1
+        shapes = self.pipeline.bcast_json([list(p.shape) for p in flat] if self.is_last else None, root=root)
+        result = []
+        for k, (t, shape) in enumerate(zip(self.cut.graph.outputs, shapes)):
+            dtype = tf.as_dtype(self.cut.graph.tensors[t].dtype).as_numpy_dtype
+            buffer = flat[k].numpy() if self.is_last else np.empty(shape, dtype)
+            result.append(tf.convert_to_tensor(self.pipeline.bcast_array(buffer, root=root)))
+        return result
 
     def exchange_targets(self, y, sample_weight, batch_size: int):
         """The first stage's labels and sample weights, on the last stage (paired with its inputs)."""
-        links = self.executor.links
-        if links is None:
+        if self.links is None:
             return y, sample_weight
+        flat = [a for a in keras.tree.flatten((y, sample_weight)) if a is not None]
         if self.is_first:
-            links.send_targets(y, sample_weight)
+            self.links.send_targets(flat)
         if self.is_last:
-            return links.receive_targets(y, sample_weight, batch_size)
+            received = iter(self.links.receive_targets(flat, batch_size))
+            return keras.tree.map_structure(lambda a: None if a is None else next(received), (y, sample_weight))
         return y, sample_weight
 
     # -- weights -------------------------------------------------------------------------
 
-    def stage_weights(self) -> list:
-        """This stage's variables, in ``Sequential`` order (``layer.weights`` of each layer)."""
-        return [v for layer in self.compute.layers for v in layer.weights]
+    def owner_of(self, unit: str) -> int:
+        """The first stage holding ``unit``'s weights (it answers for them: saving, ``get_weights``)."""
+        return min(s.index for s in self.cut.stages if unit in s.units)
 
-    def weight_offset(self, trainable: bool = False) -> int:
-        """How many (trainable) weights the layers before this stage have."""
-        start, _ = partition.stage_bounds(self.balance)[self.stage]
-        field = "trainable_shapes" if trainable else "weight_shapes"
-        return sum(len(getattr(spec, field)) for spec in self.specs[:start])
+    def stage_units(self) -> list[str]:
+        return list(self.cut.stages[self.stage].units)
 
 
 def _unsplit(actions: list) -> list:

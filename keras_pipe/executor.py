@@ -1,11 +1,12 @@
 """Internal: walking one stage's schedule for one batch.
 
 The executor takes the stage's list of actions (:mod:`keras_pipe.schedule`)
-and, for each, receives what the action needs from a neighbour
+and, for each, receives what the action needs from the other stages
 (:class:`~keras_pipe.links.Links`), runs it (:class:`~keras_pipe.compute.
 StageCompute`) and sends what it produced. It is the only place that knows
 both, and it reports every span to the tracer. After the actions, it ends
-the step: weight regularization, the sum over replicas, the update::
+the step: weight regularization, the sums over replicas and over the stages
+that hold one weight, the update::
 
     # 1F1B with a split backward, 2 stages, 4 micro-batches:
     # stage 0: F0 F1 I0 F2 I1 F3 I2 I3 W0-3 [update]
@@ -36,8 +37,10 @@ class Batch:
     """What one stage needs to run one batch.
 
     ``bounds`` are the rows of each of this replica's micro-batches in the
-    global batch of ``batch_size`` rows; ``x`` is read by the first stage,
-    ``y`` and ``sample_weight`` by the last.
+    global batch of ``batch_size`` rows; ``x`` (the model inputs, a list) is
+    read by the first stage, ``y`` and ``sample_weight`` by the last.
+    ``shares[i, k]``: micro-batch ``i``'s share of loss term ``k``'s divisor
+    (see :mod:`keras_pipe.losses`), ``term_weights`` the terms' ``loss_weights``.
     """
 
     phase: str  # "train", "test" or "predict"
@@ -46,24 +49,27 @@ class Batch:
     x: Any = None
     y: Any = None
     sample_weight: Any = None
-    loss_fn: Any = None
-    loss_reduction: str | None = None
+    loss: Any = None  # a MicrobatchLoss (last stage)
+    shares: Any = None
+    term_weights: Any = None
     optimizer: Any = None
     regularize: bool = False  # count the weight regularizers (one replica does)
-    # The loss is a mean over a masked output's entries: the last stage sums each micro-batch's
-    # loss and counts its entries, and seeds its backwards once the whole batch is counted.
+    # A term's divisor is known only once every forward counted it (a masked output under a
+    # mean loss): the last stage sums each micro-batch's terms and divisors, and seeds its
+    # backwards once the whole batch is counted.
     whole_batch_loss: bool = False
 
 
 @dataclass
 class StepResult:
     loss_part: float = 0.0  # this stage's share of the batch loss
-    predictions: list = field(default_factory=list)  # last stage: per micro-batch
-    # last stage, whole_batch_loss: the summed loss and the denominator of this replica's micro-batches
-    # and, once counted, the whole global batch's denominator
-    summed_loss: float = 0.0
-    denominator: float = 0.0
-    batch_denominator: float | None = None
+    predictions: list = field(default_factory=list)  # last stage: per micro-batch, the flat model outputs
+    terms: Any = None  # last stage: each loss term's value over this replica's share of the batch
+    # last stage, whole_batch_loss: the summed terms and divisors of this replica's micro-batches
+    # and, once counted, the whole global batch's divisors
+    sums: Any = None
+    divisors: Any = None
+    batch_divisors: Any = None
 
 
 class Executor:
@@ -78,12 +84,16 @@ class Executor:
         where: how this rank's place is named in those reports.
         pipeline_sum: sums a float64 vector over the stages of this pipeline (the whole
             model's gradient norm, the loss scale's finiteness check); identity with one stage.
+        tied: sums the gradients of weights other stages hold too (``None`` where there are none).
     """
 
-    def __init__(self, compute, links, reducer, is_first: bool, is_last: bool, status, where: str, pipeline_sum=None):
+    def __init__(
+        self, compute, links, reducer, is_first: bool, is_last: bool, status, where: str, pipeline_sum=None, tied=None
+    ):
         self.compute = compute
         self.links = links
         self.reducer = reducer
+        self.tied = tied
         self.pipeline_sum = pipeline_sum or (lambda values: values)
         self.is_first = is_first
         self.is_last = is_last
@@ -104,13 +114,20 @@ class Executor:
 
     def run(self, actions: list[Action], batch: Batch) -> StepResult:
         """Runs ``actions`` on ``batch``, then ends the step (update when training)."""
-        result = StepResult(predictions=[None] * len(batch.bounds))
+        terms = 0 if batch.loss is None else batch.loss.size
+        result = StepResult(
+            predictions=[None] * len(batch.bounds),
+            terms=np.zeros(terms),
+            sums=np.zeros(terms),
+            divisors=np.zeros(terms),
+        )
         self._loss_scale = loss_scale(batch.optimizer) if batch.phase == "train" else 1.0
         self._last_weights = max((p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT), default=-1)
         try:
             if batch.phase == "train":
                 self.compute.begin_step()
             self._count_regularization(batch, result, before_actions=True)
+            self.status.in_step = True
             for position, action in enumerate(actions):
                 self.status.doing = (
                     f"{batch.phase} step {self.step}, {self.where}: {_NAMES[action.kind]} of micro-batch "
@@ -120,6 +137,7 @@ class Executor:
                 if self.links is not None:
                     self.links.progress()
             self._end_step(batch, result)
+            self.status.in_step = False
             if batch.phase == "train":
                 self.compute.end_step()
         except BaseException:
@@ -134,81 +152,88 @@ class Executor:
     def _forward(self, action, position, batch, result):
         i = action.microbatch
         start, stop = batch.bounds[i]
-        x = self._input(batch, i)
+        inputs = self._inputs(batch, i)
         began = time.perf_counter()
         if self.is_last and batch.whole_batch_loss:
-            self._forward_head(i, x, batch, result)
+            self._forward_head(i, inputs, batch, result)
             self._span("forward", i, began)
             return
         if self.is_last and batch.phase == "test":
-            loss, y_pred = self.compute.forward_loss(batch.loss_fn, x, *self._targets(batch, i), self._scales(batch, i))
-            result.loss_part += float(loss)
-            result.predictions[i] = y_pred
+            total, terms, predictions = self.compute.forward_loss(
+                batch.loss, inputs, *self._targets(batch, i), self._coefficients(batch, i)
+            )
+            result.loss_part += float(total)
+            result.terms += np.asarray(terms, np.float64) * batch.shares[i]
+            result.predictions[i] = predictions
             self._span("forward", i, began)
             return
         training = batch.phase == "train"
         recompute = training and self.compute.recomputes(i, len(batch.bounds))
-        y, activity = self.compute.forward(i, x, training, recompute)
+        outputs, activity = self.compute.forward(i, inputs, training, recompute)
         if batch.phase != "predict":
             result.loss_part += float(activity) * (stop - start) / batch.batch_size
         self._span("forward", i, began)
         if self.is_last:
-            result.predictions[i] = y
+            result.predictions[i] = outputs
         else:
             began = time.perf_counter()
-            self.links.send_activation(y)
+            self.links.send_activations(outputs)
             self._span("send activation", i, began)
 
-    def _forward_head(self, i: int, x, batch: Batch, result: StepResult) -> None:
-        """Last stage, ``whole_batch_loss``: a forward that sums the micro-batch's loss and counts its entries."""
+    def _forward_head(self, i: int, inputs, batch: Batch, result: StepResult) -> None:
+        """Last stage, ``whole_batch_loss``: a forward that sums the micro-batch's terms and counts their divisors."""
         start, stop = batch.bounds[i]
         training = batch.phase == "train"
         recompute = training and self.compute.recomputes(i, len(batch.bounds))
-        summed, denominator, y_pred, activity = self.compute.forward_head(
-            i, batch.loss_fn, batch.loss_reduction, x, *self._targets(batch, i), training, recompute
+        sums, divisors, predictions, activity = self.compute.forward_head(
+            i, batch.loss, inputs, *self._targets(batch, i), training, recompute
         )
-        result.summed_loss += float(summed)
-        result.denominator += float(denominator)
+        result.sums += np.asarray(sums, np.float64)
+        result.divisors += np.asarray(divisors, np.float64)
         result.loss_part += float(activity) * (stop - start) / batch.batch_size
-        result.predictions[i] = y_pred
+        result.predictions[i] = predictions
 
     def _forward_backward(self, action, position, batch, result):
         i = action.microbatch
-        x = self._input(batch, i)
+        inputs = self._inputs(batch, i)
         began = time.perf_counter()
-        loss, y_pred, dx = self.compute.forward_backward(
-            i, batch.loss_fn, x, *self._targets(batch, i), self._scales(batch, i) * self._loss_scale
+        coefficients = self._coefficients(batch, i) * self._loss_scale
+        total, terms, predictions, dx = self.compute.forward_backward(
+            i, batch.loss, inputs, *self._targets(batch, i), coefficients
         )
-        result.loss_part += float(loss) / self._loss_scale
-        result.predictions[i] = y_pred
+        result.loss_part += float(total) / self._loss_scale
+        result.terms += np.asarray(terms, np.float64) * batch.shares[i]
+        result.predictions[i] = predictions
         self._span("forward+backward", i, began)
-        self._send_gradient(dx, i)
+        self._send_gradients(dx, i)
 
     def _backward(self, action, position, batch, result):
         i = action.microbatch
         start, stop = batch.bounds[i]
         began = time.perf_counter()
-        if self.is_last:  # whole_batch_loss: the seed of the micro-batch's summed loss
-            denominator = self._batch_denominator(batch, result)
-            grad = tf.constant(self._loss_scale / denominator if denominator else 0.0, tf.float32)
+        if self.is_last:  # whole_batch_loss: each term's seed, its weight over the batch's divisor
+            divisors = self._batch_divisors(batch, result)
+            seeds = np.where(divisors > 0, np.asarray(batch.term_weights) / np.where(divisors > 0, divisors, 1), 0.0)
+            grads = [tf.constant(seeds * self._loss_scale, tf.float32)]
         else:
-            grad = self.links.receive_gradient(stop - start)
+            grads = self.links.receive_gradients(stop - start)
         self._span("receive gradient", i, began)
         began = time.perf_counter()
-        dx = self.compute.backward(i, grad, (stop - start) / batch.batch_size * self._loss_scale)
+        dx = self.compute.backward(i, grads, (stop - start) / batch.batch_size * self._loss_scale)
         self._span("backward", i, began)
-        self._send_gradient(dx, i)
+        self._send_gradients(dx, i)
 
     def _weights(self, action, position, batch, result):
         began = time.perf_counter()
         rows = sum(batch.bounds[i][1] - batch.bounds[i][0] for i in action.microbatches)
         final = position == self._last_weights
+        fused = final and self.reducer is None and self.tied is None and not _needs_whole_model(batch)
         self.compute.weights(
             action.microbatches,
             rows / batch.batch_size * self._loss_scale,
             regularize=final and batch.regularize,
             loss_scale=self._loss_scale,
-            optimizer=batch.optimizer if final and self.reducer is None and not _needs_whole_model(batch) else None,
+            optimizer=batch.optimizer if fused else None,
         )
         if self.tracer is not None and self.compute.trainable_variables:
             self.compute.trainable_variables[0].numpy()  # wait for it, so that the span shows its cost
@@ -221,15 +246,17 @@ class Executor:
         training = batch.phase == "train"
         self._count_regularization(batch, result, before_actions=False)
         if self.is_last and batch.whole_batch_loss:
-            denominator = self._batch_denominator(batch, result)
-            result.loss_part += result.summed_loss / denominator if denominator else 0.0
+            divisors = self._batch_divisors(batch, result)
+            values = np.divide(result.sums, divisors, out=np.zeros_like(result.sums), where=divisors > 0)
+            result.terms = values
+            result.loss_part += float(np.dot(values, batch.term_weights))
         if not training:
             return
         if not compute.trainable_variables:
             if _needs_whole_model(batch):
                 self.pipeline_sum(np.zeros(1))  # this stage's share of the norm: none, but the others wait for it
             return
-        applied = self._last_weights >= 0 and self.reducer is None and compute.gradients.empty
+        applied = self._last_weights >= 0 and self.reducer is None and self.tied is None and compute.gradients.empty
         if applied:
             return  # the last W updated the weights itself
         summed = None
@@ -238,11 +265,17 @@ class Executor:
             began = time.perf_counter()
             summed = self.reducer.sum(compute.gradients.result(), computed=compute.gradients.computed)
             self._span("allreduce", -1, began)
+        if self.tied is not None:
+            self.status.doing = f"train step {self.step}, {self.where}: summing the gradients of shared weights"
+            began = time.perf_counter()
+            summed = self.tied.sum(summed if summed is not None else compute.gradients.result())
+            self._span("allreduce", -1, began)
         scale = None
         if _needs_whole_model(batch):
             summed = summed if summed is not None else compute.gradients.result()
             self.status.doing = f"train step {self.step}, {self.where}: the whole model's gradient norm"
-            squares = self.pipeline_sum(np.array([compute.squared_norm(summed)], np.float64))[0]
+            counted = self.tied.counted if self.tied is not None else None
+            squares = self.pipeline_sum(np.array([compute.squared_norm(summed, counted)], np.float64))[0]
             scale = whole_model_scale(batch.optimizer, squares, self._loss_scale)
         self.status.doing = f"train step {self.step}, {self.where}: optimizer update"
         began = time.perf_counter()
@@ -269,60 +302,50 @@ class Executor:
             )
             result.loss_part += float(loss)
 
-    def _batch_denominator(self, batch: Batch, result: StepResult) -> float:
-        """Last stage, ``whole_batch_loss``: the global batch's denominator, summed over replicas once per step.
+    def _batch_divisors(self, batch: Batch, result: StepResult) -> np.ndarray:
+        """Last stage, ``whole_batch_loss``: the global batch's divisors, summed over replicas once per step.
 
         Every replica's last stage asks once per step, at its first backward
         or else (evaluation, or a replica with no share) at the end of the step.
         """
-        if result.batch_denominator is None:
-            total = result.denominator
+        if result.batch_divisors is None:
+            total = result.divisors
             if self.reducer is not None:
                 self.status.doing = f"{batch.phase} step {self.step}, {self.where}: counting the masked loss's entries"
-                total = self.reducer.sum_values(np.array([total], np.float64))[0]
-            result.batch_denominator = float(total)
-        return result.batch_denominator
+                total = self.reducer.sum_values(np.asarray(total, np.float64))
+            result.batch_divisors = np.asarray(total, np.float64)
+        return result.batch_divisors
 
     # -- helpers -------------------------------------------------------------------
 
-    def _input(self, batch: Batch, i: int):
+    def _inputs(self, batch: Batch, i: int) -> list:
         start, stop = batch.bounds[i]
         if self.is_first:
-            return batch.x if (start, stop) == (0, batch.batch_size) else batch.x[start:stop]
+            if (start, stop) == (0, batch.batch_size):
+                return list(batch.x)
+            return [x[start:stop] for x in batch.x]
         began = time.perf_counter()
-        x = self.links.receive_activation(stop - start)
+        received = self.links.receive_activations(stop - start)
         self._span("receive activation", i, began)
-        return x
+        return received
 
     def _targets(self, batch: Batch, i: int):
         start, stop = batch.bounds[i]  # the last stage holds the whole global batch's targets
         if (start, stop) == (0, batch.batch_size):
             return batch.y, batch.sample_weight
-        sample_weight = None if batch.sample_weight is None else batch.sample_weight[start:stop]
-        return batch.y[start:stop], sample_weight
+        return _rows(batch.y, start, stop), _rows(batch.sample_weight, start, stop)
 
-    def _scales(self, batch: Batch, i: int):
-        """``(data, activity)`` weights of micro-batch ``i`` in the batch's loss."""
+    def _coefficients(self, batch: Batch, i: int) -> tf.Tensor:
+        """Each loss term's weight in micro-batch ``i``'s share of the batch's loss, then the activity losses'."""
         start, stop = batch.bounds[i]
-        share = (stop - start) / batch.batch_size
-        if batch.loss_reduction == "sum":
-            data = 1.0
-        elif batch.loss_reduction == "mean_with_sample_weight" and batch.sample_weight is not None:
-            data = self._weight_share(batch, i)
-        else:
-            data = share
-        return tf.constant([data, share], tf.float32)
+        terms = np.asarray(batch.shares[i], np.float64) * np.asarray(batch.term_weights, np.float64)
+        return tf.constant(np.append(terms, (stop - start) / batch.batch_size), tf.float32)
 
-    def _weight_share(self, batch: Batch, i: int) -> float:
-        start, stop = batch.bounds[i]
-        total = float(np.sum(batch.sample_weight))
-        return float(np.sum(batch.sample_weight[start:stop])) / total if total else 0.0
-
-    def _send_gradient(self, dx, i: int) -> None:
-        if self.is_first or dx is None:
+    def _send_gradients(self, dx, i: int) -> None:
+        if self.is_first or not dx:
             return
         began = time.perf_counter()
-        self.links.send_gradient(dx)
+        self.links.send_gradients(dx)
         self._span("send gradient", i, began)
 
     def _span(self, name: str, microbatch: int, began: float) -> None:
@@ -338,6 +361,13 @@ _NAMES = {
     Kind.FORWARD_BACKWARD: "forward and backward",
     Kind.FORWARD_INPUT: "forward and input gradient",
 }
+
+
+def _rows(value, start: int, stop: int):
+    """Rows ``start:stop`` of every array of a structure (labels, sample weights), ``None`` kept."""
+    if value is None:
+        return None
+    return keras.tree.map_structure(lambda a: a[start:stop], value)
 
 
 def _needs_whole_model(batch: Batch) -> bool:
@@ -385,8 +415,9 @@ def whole_model_scale(optimizer, squared_norm: float, loss_scale: float) -> floa
 def clip_scale(squared_norm: float, clipnorm: float) -> float:
     """What every gradient is multiplied by so that the whole model's norm is at most ``clipnorm``.
 
-    As Keras' ``clip_by_global_norm``: ``clipnorm / max(norm, clipnorm)``, and
-    NaN when the norm is (so that a non-finite gradient stays non-finite).
+    As Keras' ``clip_by_global_norm`` (``keras/src/optimizers/base_optimizer.py``):
+    ``clipnorm * min(1 / norm, 1 / clipnorm)``, and NaN when the norm is (so
+    that a non-finite gradient stays non-finite).
 
     >>> clip_scale(16.0, 2.0), clip_scale(1.0, 2.0)
     (0.5, 1.0)
@@ -394,4 +425,4 @@ def clip_scale(squared_norm: float, clipnorm: float) -> float:
     norm = float(np.sqrt(squared_norm))
     if not np.isfinite(norm):
         return float("nan")
-    return clipnorm / max(norm, clipnorm)
+    return clipnorm * min(1.0 / norm if norm else float("inf"), 1.0 / clipnorm)

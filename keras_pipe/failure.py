@@ -1,29 +1,36 @@
 """Failing fast: one rank's exception ends every rank, with a message naming it.
 
-A pipeline rank that raises leaves its neighbours waiting for messages that
+A pipeline rank that raises leaves the others waiting for messages that
 never come. Inside ``fit``/``evaluate``/``predict`` and the other collective
 methods (the :func:`collective` decorator) and, through ``sys.excepthook``
-once :func:`keras_pipe.init` has run, anywhere else in the script,
-keras_pipe prints the error prefixed with the failing rank and calls
-``MPI_Abort``, which makes the MPI launcher end every process with a
-non-zero exit code.
+(installed when keras_pipe is imported), anywhere else in the script, a rank
+that raises first finds out whether every rank raised at the same point
+(:func:`verify`):
 
-A :class:`~keras_pipe.errors.CollectiveError` is raised alike on every rank
-(a bad ``balance``, say): rank 0 prints it, once, and every rank exits
-normally with status 1, no abort needed.
+- if so (a bad option, a disagreement every rank found, a file rank 0 could
+  not read, Keras refusing the data), the error propagates normally on
+  every rank, as it would in one process, and an uncaught one is printed
+  once, by rank 0, and every rank exits with status 1;
+- if not, the rank prints its error prefixed with its rank and calls
+  ``MPI_Abort``, which makes the MPI launcher end every process with a
+  non-zero exit code.
+
+No exception type is trusted to be raised everywhere: only the ranks' answers count.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import time
 import traceback
 
+import numpy as np
 from mpi4py import MPI
 
-from keras_pipe.errors import CollectiveError
+from keras_pipe import comm as _comm
 
 _installed = False
 # MPI_Abort makes the launcher kill every process at once, and Hydra may
@@ -50,6 +57,75 @@ def abort(error: BaseException, where: str) -> None:
     os._exit(1)  # MPI_Abort may return before the launcher kills this process
 
 
+def verify(error: BaseException) -> tuple[bool, bool]:
+    """Whether every rank raised at the point where this one did: ``(collective, same error everywhere)``.
+
+    This rank tells every other one how many job-wide collectives it had
+    completed and whether it was inside a step (messages in flight), then
+    waits for each to answer. A rank that raised too announces the same; a
+    rank that went on past this point answers that it did
+    (:func:`keras_pipe.comm.note_failures`), and a rank whose process is
+    gone cannot answer: either way this rank's failure is its own. A rank
+    that is busy computing answers when it next waits, or raises; silence
+    beyond the stall timeout counts as "went on". Only a failure every rank
+    announced at the same count, outside a step, is collective.
+    """
+    cached = getattr(error, "_keras_pipe_verified", None)
+    if cached is not None:
+        return cached
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return True, True
+    process = _comm.PROCESS
+    digest = int(np.frombuffer(hashlib.blake2b(_text(error).encode(), digest_size=8).digest(), np.int64)[0])
+    mine = np.array([process.collectives, int(process.in_step), digest], np.int64)
+    process.failing = True
+    try:
+        outcome = _hear_from_the_others(world, process, mine, digest)
+    finally:
+        process.failing = False
+    try:
+        error._keras_pipe_verified = outcome
+    except AttributeError:
+        pass
+    return outcome
+
+
+def _hear_from_the_others(world, process, mine, digest) -> tuple[bool, bool]:
+    size, rank = world.Get_size(), world.Get_rank()
+    sends = [world.Isend(mine, dest=r, tag=_comm.TAG_FAILED) for r in range(size) if r != rank]
+    deadline = time.monotonic() + _comm.stall_timeout_from_env()
+    outcome = (False, False)
+    status = MPI.Status()
+    reporter = _comm.Communicator() if process.peers else None
+    while time.monotonic() < deadline:
+        _comm.note_failures()
+        if world.Iprobe(source=MPI.ANY_SOURCE, tag=_comm.TAG_ALIVE, status=status):
+            world.Recv(np.empty(1, np.int64), source=status.Get_source(), tag=_comm.TAG_ALIVE)
+            break  # a rank went on past this point
+        failed = {r: process.failures[r] for r in range(size) if r != rank and r in process.failures}
+        if len(failed) == size - 1:
+            same_point = all(f[0] == mine[0] for f in failed.values())
+            in_step = bool(mine[1]) or any(f[1] for f in failed.values())
+            outcome = (same_point and not in_step, all(f[2] == digest for f in failed.values()))
+            for r in failed:
+                del process.failures[r]
+            break
+        if reporter is not None:
+            reporter.answer_status_requests()
+            if reporter.dead_peers():
+                break
+        time.sleep(0.005)
+    if outcome[0]:
+        for request in sends:
+            request.Wait()
+    return outcome
+
+
+def _text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 _depth = 0  # collective methods running on this rank (fit() runs evaluate() inside)
 
 
@@ -59,10 +135,10 @@ def collective(method):
     On entry to the outermost collective method, the ranks compare which
     method each called (:func:`keras_pipe.runtime.agree_on_entry`): a method
     called on some ranks only (``if rank == 0: model.save(...)``) is an error
-    at once, not a wait for the stall timeout. A :class:`CollectiveError`
-    (raised alike everywhere) propagates normally; anything else, with more
-    than one rank, is printed naming this rank and the method, and the job
-    is aborted, as the other ranks would otherwise wait for this one forever.
+    at once, not a wait for the stall timeout. An error then propagates on
+    every rank if every rank raised it at the same point (:func:`verify`);
+    otherwise it is printed naming this rank and the method, and the job is
+    aborted, as the other ranks would otherwise wait for this one forever.
     """
 
     @functools.wraps(method)
@@ -76,7 +152,7 @@ def collective(method):
                 agree_on_entry(f"{method.__name__}()")
             return method(self, *args, **kwargs)
         except BaseException as error:
-            if MPI.COMM_WORLD.Get_size() > 1 and not isinstance(error, CollectiveError):
+            if MPI.COMM_WORLD.Get_size() > 1 and not verify(error)[0]:
                 abort(error, f"{method.__name__}()")
             raise
         finally:
@@ -93,14 +169,15 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(kind, error, tb):
-        if isinstance(error, CollectiveError):
+        collective_error, same = verify(error)
+        if not collective_error:
+            abort(error, "the script")
+        if not same or MPI.COMM_WORLD.Get_rank() == 0:
             # raised alike on every rank: said once, by rank 0, not interleaved once per rank
-            if MPI.COMM_WORLD.Get_rank() == 0:
-                sys.stderr.write(f"[keras_pipe] every rank of {MPI.COMM_WORLD.Get_size()} raised this error:\n")
-                previous(kind, error, tb)
-                sys.stderr.flush()
-            return
-        abort(error, "the script")
+            where = "every rank" if same else f"rank {MPI.COMM_WORLD.Get_rank()} (the others raised other errors)"
+            sys.stderr.write(f"[keras_pipe] {where} of {MPI.COMM_WORLD.Get_size()} raised this error:\n")
+            previous(kind, error, tb)
+            sys.stderr.flush()
 
     sys.excepthook = hook
     _installed = True

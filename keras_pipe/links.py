@@ -1,107 +1,117 @@
-"""Internal: what crosses between a stage and its neighbours — activations, their gradients, targets.
+"""Internal: what crosses between a stage and the others — activations, their gradients, targets.
 
 Every point-to-point message of the pipeline goes through here, on the
-pipeline's communicator (rank = stage). Tensors travel as raw buffers of a
-shape and dtype the receiver knows from the layer specs; only the number of
-rows is read from the message, and checked against the micro-batch the
-receiver expects, so ranks given different data stop with an error instead
-of training on the wrong rows.
+pipeline's communicator (rank = stage). Each crossing of the cut
+(:class:`keras_pipe.cut.Crossing`) is sent straight from the stage that
+computes the tensor to each stage that reads it: a skip edge over three
+stages, or a model input every block reads, costs one message per reader
+and nothing on the stages between (relaying it would cost each of them a
+receive, a send and the wait in between; see ``benchmarks/crossings.py``).
+MPI keeps the messages of one (source, tag) pair in order, so a stage sends
+its crossings to each destination in tensor order and the destination
+receives them from each source in the same order.
+
+Tensors travel as raw buffers of a dtype the receiver knows from the graph.
+Where every dimension but the batch is fixed, only the number of rows is
+read from the message, and checked against the micro-batch the receiver
+expects; a tensor with a dimension that varies from batch to batch (a text
+batch padded to its own length) is preceded by a small header with its
+shape. A Keras mask follows its tensor, one byte per entry.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.comm import TAG_ACTIVATION, TAG_GRADIENT, TAG_TARGETS, Communicator
+from keras_pipe.comm import TAG_ACTIVATION, TAG_GRADIENT, TAG_PROBE, TAG_TARGETS, Communicator
+from keras_pipe.compute import Masked
 from keras_pipe.errors import RankMismatchError
 
 
 class Links:
-    """A stage's messages to and from its neighbours.
+    """A stage's messages to and from the other stages.
 
     Args:
         comm: the pipeline's communicator (rank = stage).
-        input_template, output_template: the stage's input and output as ``KerasTensor``s:
-            one, or a tuple, list or dict of them (each crosses as a message of its own).
-        input_mask: the shape of the Keras mask that rides with a single input tensor, or ``None``.
+        stage: this rank's :class:`~keras_pipe.cut.Stage`.
+        tensors: the graph's tensors (shapes and dtypes of what crosses).
+        masks: for each tensor, the shape of the Keras mask that rides with it, or ``None``.
     """
 
-    def __init__(self, comm: Communicator, input_template, output_template, input_mask=None):
+    def __init__(self, comm: Communicator, stage, tensors, masks: dict | None = None):
         self.comm = comm
-        self.stage = comm.rank
+        self.stage = stage
+        self.tensors = tensors
         self.num_stages = comm.size
-        self.input_template = input_template
-        self.input_specs = _specs(input_template)
-        # gradients come back for the floating-point tensors only
-        self.output_gradient_specs = [s for s in _specs(output_template) if tf.as_dtype(s[1]).is_floating]
-        self.several_outputs = not isinstance(output_template, keras.KerasTensor)
-        self.input_mask = input_mask
+        self.gradient_receives = [c for c in stage.receives if c.gradient]
+        self.gradient_sends = [c for c in stage.sends if c.gradient]
+        self.set_masks(masks or {})
 
-    def send_activation(self, y) -> None:
-        """Sends the stage's output, each tensor of a structure in turn; a ``Masked`` one's mask after it."""
-        mask = None
-        if isinstance(y, Masked):
-            y, mask = y
-        for tensor in tf.nest.flatten(y):
-            self.comm.send(_host(tensor), self.stage + 1, TAG_ACTIVATION)
-        if mask is not None:
-            self.comm.send(_host(mask).view(np.uint8), self.stage + 1, TAG_ACTIVATION)
+    def set_masks(self, masks: dict) -> None:
+        """The mask shape riding with each crossing tensor (measured on real tensors when the pipeline was built)."""
+        self.masks = {t: masks.get(t) for t in range(len(self.tensors))}
 
-    def receive_activation(self, rows: int):
-        """The previous stage's output (a structure where it is one); ``Masked`` where a Keras mask rides with it."""
-        tensors = [self._receive(self.stage - 1, TAG_ACTIVATION, spec, rows) for spec in self.input_specs]
-        if not isinstance(self.input_template, keras.KerasTensor):
-            return tf.nest.pack_sequence_as(self.input_template, tensors)
-        x = tensors[0]
-        if self.input_mask is None:
-            return x
-        mask = self._receive(self.stage - 1, TAG_ACTIVATION, (self.input_mask, "uint8"), rows)
-        return Masked(x, tf.cast(mask, tf.bool))
+    # -- activations ----------------------------------------------------
 
-    def send_gradient(self, grad) -> None:
-        """Sends the input gradient: one tensor, or a list (one per floating-point input tensor)."""
-        for tensor in grad if isinstance(grad, list) else [grad]:
-            self.comm.send(_host(tensor), self.stage - 1, TAG_GRADIENT)
+    def send_activations(self, outputs) -> None:
+        """Sends each crossing the stage computes to each stage that reads it (``outputs`` in the stage's order)."""
+        for crossing, value in zip(self.stage.sends, outputs):
+            tensor, mask = (value.tensor, value.mask) if isinstance(value, Masked) else (value, None)
+            spec = self.tensors[crossing.tensor]
+            for destination in crossing.destinations:
+                self._send(tensor, destination, TAG_ACTIVATION, spec.dynamic)
+                if mask is not None:
+                    self._send(_host(mask).view(np.uint8), destination, TAG_ACTIVATION, spec.dynamic)
 
-    def receive_gradient(self, rows: int):
-        """The output gradient: one tensor, or a list where the stage returns several."""
-        grads = [self._receive(self.stage + 1, TAG_GRADIENT, spec, rows) for spec in self.output_gradient_specs]
-        return grads if self.several_outputs else grads[0]
+    def receive_activations(self, rows: int) -> list:
+        """The crossings this stage reads, in the order of ``stage.receives``; ``Masked`` where a mask rides."""
+        received = []
+        for crossing in self.stage.receives:
+            spec = self.tensors[crossing.tensor]
+            tensor = self._receive(crossing.source, TAG_ACTIVATION, spec.shape, spec.dtype, rows, spec.dynamic)
+            mask_shape = self.masks.get(crossing.tensor)
+            if mask_shape is None:
+                received.append(tensor)
+                continue
+            mask = self._receive(crossing.source, TAG_ACTIVATION, mask_shape, "uint8", rows, spec.dynamic)
+            received.append(Masked(tensor, tf.cast(mask, tf.bool)))
+        return received
+
+    # -- gradients --------------------------------------------------------
+
+    def send_gradients(self, grads) -> None:
+        """Sends the gradient of each floating-point tensor this stage read back to the stage that computed it."""
+        for crossing, grad in zip(self.gradient_receives, grads):
+            self._send(grad, crossing.source, TAG_GRADIENT, self.tensors[crossing.tensor].dynamic)
+
+    def receive_gradients(self, rows: int) -> list:
+        """The gradient of each floating-point tensor this stage sent, summed over the stages that read it."""
+        summed = []
+        for crossing in self.gradient_sends:
+            spec = self.tensors[crossing.tensor]
+            total = None
+            for destination in crossing.destinations:  # summed in stage order, on every run alike
+                grad = self._receive(destination, TAG_GRADIENT, spec.shape, spec.dtype, rows, spec.dynamic)
+                total = grad if total is None else total + grad
+            summed.append(total)
+        return summed
 
     def progress(self) -> None:
         """Lets MPI move pending sends along."""
         self.comm.progress()
 
-    def _receive(self, source, tag, spec, rows):
-        shape, dtype = spec
-        array = self.comm.recv(source, tag, tuple(shape[1:]), tf.as_dtype(dtype).as_numpy_dtype)
-        if array.shape[0] != rows:
-            raise RankMismatchError(
-                f"rank {self.comm.world_rank} expected a micro-batch of {rows} samples from rank "
-                f"{self.comm.world_rank_of(source)} but got {array.shape[0]}: the ranks were given batches of "
-                "different sizes. Give every rank the same data sizes and batch_size."
-            )
-        return tf.convert_to_tensor(array)
-
     # -- targets --------------------------------------------------------
 
-    def send_targets(self, y, sample_weight) -> None:
-        """First stage: labels and sample weights go straight to the last stage."""
-        for array in (y, sample_weight):
-            if array is not None:
-                self.comm.send(np.asarray(array), self.num_stages - 1, TAG_TARGETS)
+    def send_targets(self, arrays: list) -> None:
+        """First stage: each array of the labels and sample weights, straight to the last stage."""
+        for array in arrays:
+            self.comm.send(np.asarray(array), self.num_stages - 1, TAG_TARGETS)
 
-    def receive_targets(self, y_like, sample_weight_like, batch_size: int):
-        """Last stage: the labels and sample weights the first stage paired with its inputs."""
+    def receive_targets(self, likes: list, batch_size: int) -> list:
+        """Last stage: the labels and sample weights the first stage paired with its inputs (shaped as ``likes``)."""
         received = []
-        for like in (y_like, sample_weight_like):
-            if like is None:
-                received.append(None)
-                continue
+        for like in likes:
             like = np.asarray(like)
             array = self.comm.recv(0, TAG_TARGETS, like.shape[1:], like.dtype)
             if array.shape[0] != batch_size:
@@ -111,19 +121,66 @@ class Links:
                     "different data. Give every rank the same data sizes and batch_size."
                 )
             received.append(array)
-        return tuple(received)
+        return received
+
+    # -- the probe: messages that describe themselves ------------------------
+
+    def send_described(self, value, destination: int) -> None:
+        """A probe's tensor with its whole shape and its mask's, whatever the graph says (see :mod:`probe`)."""
+        tensor, mask = (value.tensor, value.mask) if isinstance(value, Masked) else (value, None)
+        tensor = _host(tensor)
+        header = [tensor.ndim, *tensor.shape, int(mask is not None)]
+        if mask is not None:
+            mask = _host(mask).view(np.uint8)
+            header += [mask.ndim, *mask.shape]
+        self.comm.send(np.asarray(header, np.int64), destination, TAG_PROBE)
+        self.comm.send(tensor, destination, TAG_PROBE)
+        if mask is not None:
+            self.comm.send(mask, destination, TAG_PROBE)
+
+    def receive_described(self, source: int, dtype: str):
+        header = [int(h) for h in self.comm.recv(source, TAG_PROBE, (), np.int64)]
+        ndim = header[0]
+        shape, rest = header[1 : 1 + ndim], header[1 + ndim :]
+        tensor = self.comm.recv_exact(source, TAG_PROBE, tuple(shape), tf.as_dtype(dtype).as_numpy_dtype)
+        if not rest[0]:
+            return tf.convert_to_tensor(tensor)
+        mask_shape = tuple(rest[2 : 2 + rest[1]])
+        mask = self.comm.recv_exact(source, TAG_PROBE, mask_shape, np.uint8)
+        return Masked(tf.convert_to_tensor(tensor), tf.convert_to_tensor(mask.astype(bool)))
+
+    # -- raw messages --------------------------------------------------------
+
+    def _send(self, tensor, destination: int, tag: int, dynamic: bool) -> None:
+        array = _host(tensor)
+        if dynamic:
+            self.comm.send(np.asarray(array.shape, np.int64), destination, tag)
+        self.comm.send(array, destination, tag)
+
+    def _receive(self, source: int, tag: int, shape, dtype, rows: int, dynamic: bool):
+        if dynamic:
+            header = self.comm.recv_exact(source, tag, (len(shape),), np.int64)
+            trailing = tuple(int(d) for d in header[1:])
+            _check_shape(self.comm, source, shape, header)
+        else:
+            trailing = tuple(shape[1:])
+        array = self.comm.recv(source, tag, trailing, tf.as_dtype(dtype).as_numpy_dtype)
+        if array.shape[0] != rows:
+            raise RankMismatchError(
+                f"rank {self.comm.world_rank} expected a micro-batch of {rows} samples from rank "
+                f"{self.comm.world_rank_of(source)} but got {array.shape[0]}: the ranks were given batches of "
+                "different sizes. Give every rank the same data sizes and batch_size."
+            )
+        return tf.convert_to_tensor(array)
 
 
-class Masked(NamedTuple):
-    """Activations and the Keras mask that rides with them (``Embedding(mask_zero=True)``, ``Masking``)."""
-
-    tensor: object
-    mask: object
-
-
-def _specs(template) -> list:
-    """``(shape, dtype)`` of each tensor of a ``KerasTensor`` structure, in ``tf.nest`` order."""
-    return [(tuple(t.shape), str(t.dtype)) for t in tf.nest.flatten(template)]
+def _check_shape(comm, source, shape, header) -> None:
+    """A header's shape must fit the graph's (``None`` where a dimension varies)."""
+    if len(header) != len(shape) or any(d is not None and int(h) != d for d, h in zip(shape[1:], header[1:])):
+        raise RankMismatchError(
+            f"rank {comm.world_rank} expected a tensor of shape {tuple(shape)} from rank {comm.world_rank_of(source)} "
+            f"but got {tuple(int(h) for h in header)}: the ranks disagree on the model."
+        )
 
 
 def _host(tensor) -> np.ndarray:

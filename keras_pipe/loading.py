@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_pipe import compat
 from keras_pipe.comm import Communicator
 from keras_pipe.model import PipelineModel
 from keras_pipe.saving import ROOT, load_into, on_root
@@ -13,8 +14,10 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
     """Opens a ``.keras`` file saved by ``PipelineModel`` (on any number of ranks) or by plain Keras.
 
     Rank 0 reads the file (with Keras' ``safe_mode``); every rank rebuilds
-    the layers from the model's JSON config and receives its stage's weights
-    and optimizer state, so training resumes exactly.
+    the model from its JSON config without allocating its weights, cuts it,
+    allocates its own stage's and receives them with their optimizer state,
+    so training resumes exactly. A ``Sequential`` file gives a chain, any
+    other model its own class's graph (a keras_hub ``GPT2CausalLM``).
 
     Example:
 
@@ -26,33 +29,45 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
     comm = Communicator()
 
     def read():
-        loaded = keras.models.load_model(filepath, custom_objects=custom_objects, safe_mode=safe_mode)
-        if not isinstance(loaded, keras.Sequential):
-            raise ValueError(f"{filepath} holds a {type(loaded).__name__}; keras_pipe loads Sequential models")
-        return loaded
+        return keras.models.load_model(filepath, custom_objects=custom_objects, safe_mode=safe_mode)
 
-    sequential = on_root(comm, read, f"load {filepath}", reading=filepath)
-    description = comm.bcast_json(_summary_of(sequential) if comm.rank == ROOT else None, root=ROOT)
+    whole = on_root(comm, read, f"load {filepath}", reading=filepath)
+    description = comm.bcast_json(_summary_of(whole) if comm.rank == ROOT else None, root=ROOT)
     with keras.saving.custom_object_scope(custom_objects or {}):
-        layers = [keras.saving.deserialize_keras_object(c, safe_mode=safe_mode) for c in description["layers"]]
-        shape, dtype = description["input"]
         pipeline_options.setdefault("name", description["name"])
-        model = PipelineModel([keras.Input(batch_shape=tuple(shape), dtype=dtype), *layers], **pipeline_options)
-        model.build()
+        if description["layers"] is not None:
+            layers = [keras.saving.deserialize_keras_object(c, safe_mode=safe_mode) for c in description["layers"]]
+            shape, dtype = description["input"]
+            model = PipelineModel([keras.Input(batch_shape=tuple(shape), dtype=dtype), *layers], **pipeline_options)
+            model.build()
+        else:
+            with compat.unallocated_scope():
+                source = keras.saving.deserialize_keras_object(description["model"], safe_mode=safe_mode)
+            model = PipelineModel.from_model(source, **pipeline_options)
         if description["compile"] is not None:
             model.compile_from_config(description["compile"])
-    load_into(model, sequential)
+    load_into(model, whole)
     return model
 
 
-def _summary_of(sequential: keras.Sequential) -> dict:
-    config = sequential.get_config()
-    layers = [c for c in config["layers"] if c["class_name"] != "InputLayer"]
-    first = sequential.inputs[0]
-    compile_config = sequential.get_compile_config() if sequential.compiled else None
+def _summary_of(whole: keras.Model) -> dict:
+    compile_config = whole.get_compile_config() if whole.compiled else None
+    if isinstance(whole, keras.Sequential):
+        config = whole.get_config()
+        first = whole.inputs[0]
+        return {
+            "name": whole.name,
+            "layers": [c for c in config["layers"] if c["class_name"] != "InputLayer"],
+            "input": [list(first.shape), str(first.dtype)],
+            "model": None,
+            "compile": compile_config,
+        }
+    config = keras.saving.serialize_keras_object(whole)
+    config.pop("compile_config", None)  # compiled once the pipeline exists, not on the unallocated graph
     return {
-        "name": sequential.name,
-        "layers": layers,
-        "input": [list(first.shape), str(first.dtype)],
+        "name": whole.name,
+        "layers": None,
+        "input": None,
+        "model": config,
         "compile": compile_config,
     }

@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from keras_pipe import compat
 from keras_pipe.comm import Communicator
-from keras_pipe.compute import Program
-from keras_pipe.links import Masked
+from keras_pipe.compute import Masked
+from keras_pipe.programs import Program
 
 
 class LogSharing:
@@ -72,21 +72,48 @@ class ModelLogs:
         # a metric twice, so does this), from the last stage, whose metrics are built.
         self.order: list | None = None
 
-    def step_logs(self, phase: str, loss_part: float, batch_size: int, y, y_pred, sample_weight) -> dict:
-        """Updates the metrics (last stage) and the loss tracker; returns the logs, the same on every rank."""
+    def step_logs(self, phase: str, loss_part: float, terms, batch_size: int, y, flat, sample_weight) -> dict:
+        """Updates the metrics (last stage) and the loss tracker; returns the logs, the same on every rank.
+
+        ``terms`` are the loss terms' values over the batch (each output's
+        loss, which Keras logs as ``<output>_loss`` when there are several);
+        ``flat`` the flat model outputs, ``Masked`` where a Keras mask rides.
+        """
         model, engine = self.model, self.model.engine
         metrics, order = {}, None
-        if engine.is_last and compat.compiled_metrics(model) is not None:
-            # Every replica's last stage updates its metrics with the whole
-            # global batch: exact for every metric, and the same everywhere.
-            metrics = self.metric_results(self._metrics_update()(y, y_pred, sample_weight))
         if engine.is_last:
+            self._track_terms(terms, batch_size)
+            if compat.compiled_metrics(model) is not None or self._term_trackers():
+                # Every replica's last stage updates its metrics with the whole
+                # global batch: exact for every metric, and the same everywhere.
+                tensors = [p.tensor if isinstance(p, Masked) else p for p in flat]
+                masks = [p.mask if isinstance(p, Masked) else None for p in flat]
+                metrics = self.metric_results(self._metrics_update()(y, tensors, masks, sample_weight))
             order = keras.Model._flatten_metrics_in_order(model, {k: k for k in ("loss", *metrics)})
             order = order if isinstance(order, list) else [order]
         began = time.perf_counter()
         loss, samples, metrics, self.order = engine.logs.share(phase, loss_part, batch_size, metrics, order)
         engine.span("share logs", began)
         return {"loss": self._track_loss(loss, samples), **metrics}
+
+    def _term_trackers(self) -> list:
+        """``CompileLoss``'s mean of each output's loss (several outputs), as Keras logs them."""
+        compiled = compat.compiled_loss(self.model)
+        return list(compiled.metrics) if compiled is not None else []
+
+    def _track_terms(self, terms, batch_size: int) -> None:
+        """Each output's loss over the batch into its ``Mean``, as ``CompileLoss.call`` does once per batch."""
+        trackers = self._term_trackers()
+        if not trackers or terms is None:
+            return
+        with_replicas = self.model.engine.replicas
+        values = np.asarray(terms, np.float64)
+        if with_replicas is not None:
+            values = with_replicas.allreduce_sum(values)
+        for tracker, value in zip(trackers, values):
+            compat.set_mean_state(
+                tracker, float(tracker.total.numpy()) + value * batch_size, float(tracker.count.numpy()) + batch_size
+            )
 
     # Compiled once each, so that a step costs one call for the metrics and
     # one for the loss instead of a dozen eager operations.
@@ -113,12 +140,17 @@ class ModelLogs:
     def _metrics_update(self):
         metrics = compat.compiled_metrics(self.model)
         if self._update[0] is not metrics:
+            structure = self.model.engine.graph.output_structure()
 
-            def update(y, y_pred, sample_weight):
-                if isinstance(y_pred, Masked):  # Keras' metrics read the output's mask from the tensor
-                    y_pred, mask = tf.identity(y_pred.tensor), y_pred.mask
-                    compat.set_mask(y_pred, mask)
-                metrics.update_state(y, y_pred, sample_weight)
+            def update(y, tensors, masks, sample_weight):
+                flat = []
+                for tensor, mask in zip(tensors, masks):
+                    if mask is not None:  # Keras' metrics read the output's mask from the tensor
+                        tensor = tf.identity(tensor)
+                        compat.set_mask(tensor, mask)
+                    flat.append(tensor)
+                if metrics is not None:
+                    metrics.update_state(y, keras.tree.pack_sequence_as(structure, flat), sample_weight)
                 return self._results()
 
             self._update = (metrics, Program(update, jit=False, eager=bool(self.model.run_eagerly)))

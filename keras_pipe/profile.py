@@ -1,89 +1,99 @@
-"""Measuring each layer's forward + backward time, for ``balance="time"``.
+"""Measuring each node's forward + backward time, for ``balance="time"``.
 
 Equal parameter counts rarely mean equal time (a convolution has few
 weights and much work; a wide Dense the opposite). As torchgpipe's
-``balance_by_time``, this times every layer on a sample micro-batch and
-splits the chain so that the slowest stage is as fast as possible.
+``balance_by_time``, this times every node on a sample micro-batch and cuts
+the graph so that the slowest stage is as fast as possible.
 
-No rank builds the whole model: each rank times the layers of the
-parameter-balanced split it would own, on throw-away copies, and the ranks
-share their timings (JSON, no pickling) so that all compute the same split.
+No rank allocates the whole model: each rank times the nodes of the
+parameter-balanced cut it would run, allocating only their weights, and the
+ranks share their timings (JSON, no pickling) so that all compute the same
+cut.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import partition
+from keras_pipe import cut as cuts
+from keras_pipe import graph as graphs
 from keras_pipe.comm import Communicator
+from keras_pipe.errors import PipelineConfigError
+
+# A dimension that varies from batch to batch is timed at this size.
+SAMPLE_LENGTH = 16
 
 
-def layer_times(layers, specs, start: int, stop: int, rows: int, repeats: int = 5) -> list[float]:
-    """Median seconds of forward + backward of ``layers[start:stop]`` on ``rows`` samples each."""
+def node_times(model_graph, nodes, rows: int, repeats: int = 5) -> list[float]:
+    """Median seconds of forward + backward of each of ``nodes`` (indices) on ``rows`` samples."""
+    plain = model_graph.plain
+    units = {plain.nodes[n].unit for n in nodes} - {None}
+    graphs.allocate([model_graph.units[u] for u in units])
     times = []
-    for layer, spec in zip(layers[start:stop], specs[start:stop]):
-        clone = partition.shadow_copy(layer)
-        template = spec.input_template
-        if template is None:
-            template = keras.KerasTensor(spec.input_shape, spec.input_dtype)
-        x = keras.tree.map_structure(lambda t: _sample(t, rows), template)
-        clone(x)  # build
+    for n in nodes:
+        call = model_graph.calls[n]
+        values = {t: _sample(plain.tensors[t], rows) for t in call.inputs}
+        layer = call.layer
+        variables = list(layer.trainable_weights) if layer is not None else []
 
         @tf.function
-        def step(x, clone=clone):
-            inputs = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+        def step(values, call=call, variables=variables):
+            inputs = [v for v in values.values() if v.dtype.is_floating]
             with tf.GradientTape() as tape:
                 tape.watch(inputs)
-                y = clone(x, training=True)
-            outputs = [t for t in tf.nest.flatten(y) if t.dtype.is_floating]
-            sources = inputs + clone.trainable_weights
+                outputs = call(values, training=True)
+            outputs = [t for t in outputs if t.dtype.is_floating]
+            sources = inputs + variables
             if not sources or not outputs:
-                return y
-            return tape.gradient(outputs, sources, output_gradients=[tf.ones_like(t) for t in outputs])
+                return outputs
+            grads = tape.gradient(outputs, sources, output_gradients=[tf.ones_like(t) for t in outputs])
+            return [g for g in grads if g is not None]
 
-        step(x)  # trace and warm up
+        try:
+            step(values)  # trace and warm up
+        except Exception as error:  # noqa: BLE001 - re-raised with context
+            raise PipelineConfigError(
+                f"balance='time' could not time node {call.name!r} on sample inputs ({error}); use balance=None, "
+                "a list of sizes, or split_before."
+            ) from error
         samples = []
         for _ in range(repeats):
             began = time.perf_counter()
-            result = step(x)
+            result = step(values)
             _ = [r.numpy() for r in tf.nest.flatten(result) if r is not None][:1]
             samples.append(time.perf_counter() - began)
         times.append(statistics.median(samples))
-        del clone, step
+        del step
     return times
 
 
-def _sample(template, rows: int):
-    """A tensor of ``rows`` samples shaped as the ``KerasTensor`` ``template``: random floats, else zeros."""
-    shape = (rows,) + tuple(template.shape[1:])
-    dtype = tf.as_dtype(template.dtype)
+def _sample(tensor, rows: int):
+    """A tensor of ``rows`` samples shaped as the graph's ``tensor``: random floats, else zeros."""
+    shape = (rows,) + tuple(SAMPLE_LENGTH if d is None else d for d in tensor.shape[1:])
+    dtype = tf.as_dtype(tensor.dtype)
     return tf.random.normal(shape, dtype=dtype) if dtype.is_floating else tf.zeros(shape, dtype)
 
 
-def balance_by_time(
-    layers: Sequence[keras.layers.Layer], specs, num_stages: int, comm: Communicator, stage: int, rows: int
-) -> list[int]:
-    """Layers per stage balancing measured forward + backward time; the same on every rank.
+def balance_by_time(model_graph, num_stages: int, comm: Communicator, stage: int, rows: int) -> list[int]:
+    """Nodes per stage balancing measured forward + backward time; the same on every rank.
 
-    Each rank times the layers of its ``stage`` in a parameter-balanced
-    split; with replicas, a stage's time is the mean over its replicas, so
-    every rank of ``comm`` computes the same split.
+    Each rank times the nodes of its ``stage`` in a parameter-balanced
+    cut; with replicas, a stage's time is the mean over its replicas, so
+    every rank of ``comm`` computes the same cut.
     """
-    provisional = partition.stage_bounds(partition.balance_by_params(specs, num_stages))
-    start, stop = provisional[stage]
-    mine = layer_times(list(layers), specs, start, stop, rows)
+    plain = model_graph.plain
+    provisional = cuts.cut(plain, cuts.balance_by_cost([node.cost for node in plain.nodes], num_stages))
+    mine = node_times(model_graph, provisional.stages[stage].nodes, rows)
     measured = comm.allgather_json([stage, mine])
     every = []
     for s in range(num_stages):
         replicas = [times for owner, times in measured if owner == s]
         every.extend(float(np.mean(column)) for column in zip(*replicas))
-    # Layers that take no measurable time still cost a little (a copy), so
-    # that every stage gets at least one layer and ties spread out.
+    # Nodes that take no measurable time still cost a little (a copy), so
+    # that every stage gets at least one node and ties spread out.
     floor = 1e-6 + 1e-3 * float(np.mean(every))
-    return partition.min_max_partition([t + floor for t in every], num_stages)
+    return cuts.balance_by_cost([t + floor for t in every], num_stages)

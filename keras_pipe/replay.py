@@ -1,29 +1,33 @@
-"""Internal: a stage's layers as a chain of steps that can be replayed, for a split backward.
+"""Internal: a stage's nodes as steps that can be replayed, for a split backward.
 
 A split backward computes, per micro-batch, only the gradient with respect
-to the stage input (``I``), and later the weight gradients of many
-micro-batches in one pass (``W``). Both work layer by layer from what the
-forward kept: each step's input. A step's backward *replays* the step under
-a tape and asks for one gradient; inside a compiled program the replayed
-forward is dead code wherever the gradient does not need it, and it is
-removed:
+to the stage inputs (``I``), and later the weight gradients of many
+micro-batches in one pass (``W``). Both work step by step from what the
+forward kept: each step's inputs. A step's backward *replays* the step
+under a tape and asks for one gradient; inside a compiled program the
+replayed forward is dead code wherever the gradient does not need it, and it
+is removed:
 
 - a matrix product's input gradient needs the weights and the output
   gradient, its weight gradient the input and the output gradient, never
   the product itself. So ``Dense``, ``EinsumDense`` and ``Conv*`` run as two
   steps, the linear core and its activation, and neither ``I`` nor ``W``
   computes a product twice;
-- an activation, a reshape or a dropout is cheap to recompute; dropout
-  draws the same mask because its random generator's state is saved before
-  the forward and restored for the replay.
+- an activation, a reshape, a Keras op or a dropout is cheap to recompute;
+  dropout draws the same mask because its random generator's state is
+  saved before the forward and restored for the replay.
+
+Steps read and write numbered tensors (the graph's, plus one for each
+core's output), so a stage with branches and skip edges replays as a chain
+does: the gradient of each tensor is the sum over the steps that read it.
 
 ``W`` replays each weighted step once on the concatenated inputs of all its
 micro-batches with their concatenated output gradients: one matrix product
 per layer per batch, as ``keras.Sequential`` does, instead of one per
 micro-batch.
 
-A layer is replayed only where that is known to be exact and cheap (see
-:func:`why_not_replayable`); a stage with any other layer uses the recorded
+A node is replayed only where that is known to be exact and cheap (see
+:func:`why_not_replayable`); a stage with any other node uses the recorded
 backward of :mod:`keras_pipe.compute` instead.
 """
 
@@ -60,8 +64,14 @@ SPLIT_ACTIVATION = (
 NOT_REPLAYED = (keras.layers.Lambda, keras.layers.RNN, keras.layers.Bidirectional, keras.layers.TFSMLayer)
 
 
-def why_not_replayable(layer) -> str | None:
-    """``None`` if ``layer`` can be replayed exactly and cheaply, else the reason."""
+def why_not_replayable(call) -> str | None:
+    """``None`` if the node ``call`` (a :class:`~keras_pipe.graph.NodeCall`) replays exactly and cheaply, else why."""
+    layer = call.layer
+    if layer is None:
+        operation = call.operation
+        if type(operation).__module__.startswith("keras."):
+            return None  # a Keras op: a pure function of its inputs
+        return f"{type(operation).__name__} is not a Keras op"
     if isinstance(layer, NOT_REPLAYED):
         return f"{type(layer).__name__} is not replayed"
     seeds = {id(g.state) for g in compat.seed_generators(layer)}
@@ -73,17 +83,15 @@ def why_not_replayable(layer) -> str | None:
     if (
         isinstance(layer, SPLIT_ACTIVATION)
         and layer.activity_regularizer is not None
-        and activation
-        not in (
-            None,
-            keras.activations.linear,
-        )
+        and activation not in (None, keras.activations.linear)
     ):
         return f"{layer.name} has an activity regularizer after its activation"
     if layer.trainable_weights and not isinstance(layer, WEIGHTED):
         return f"{type(layer).__name__} has weights and is not one of the linear layers"
     if not type(layer).__module__.startswith("keras.") and not layer.trainable_weights:
         return f"{type(layer).__name__} is not a Keras layer (its call may have side effects)"
+    if call.node.arguments.kwargs:
+        return f"{layer.name} is called with keyword arguments {sorted(call.node.arguments.kwargs)}"
     return None
 
 
@@ -93,34 +101,43 @@ _plain_python = tf.autograph.experimental.do_not_convert
 
 
 class Step:
-    """One replayable piece of the chain: a whole layer, a layer's linear core, or its activation."""
+    """One replayable piece of the stage: a whole node, a layer's linear core, or its activation.
 
-    def __init__(self, layer, part: str):
-        self.layer = layer
-        self.part = part  # "layer", "core" or "activation"
-        self.variables = [] if part == "activation" else list(layer.trainable_variables)
-        self.seeds = [] if part == "activation" else compat.seed_generators(layer)
+    ``inputs``/``outputs`` are tensor numbers (a core writes a number of its own).
+    """
 
-    def __call__(self, x, training):
+    def __init__(self, call, part: str, inputs: tuple, outputs: tuple):
+        self.call = call
+        self.layer = call.layer
+        self.part = part  # "node", "core" or "activation"
+        self.inputs = inputs
+        self.outputs = outputs
+        layer = self.layer
+        own = part != "activation" and layer is not None
+        self.variables = list(layer.trainable_variables) if own else []
+        self.seeds = compat.seed_generators(layer) if own else []
+
+    def __call__(self, values: dict, training) -> list:
         if self.part == "activation":
-            return self.layer.activation(x)
+            return [self.layer.activation(values[self.inputs[0]])]
         with _without_activation(self.layer) if self.part == "core" else contextlib.nullcontext():
-            return self.layer(x, training=training)
+            return self.call(values, training)
 
     def own_losses(self) -> list:
-        """The losses the step's layers added in its last call (activity regularization)."""
-        if self.part == "activation":
+        """The losses the step's layer added in its last call (activity regularization)."""
+        if self.part == "activation" or self.layer is None:
             return []
         return [loss for sub in compat.sublayers(self.layer) for loss in compat.own_losses(sub)]
 
     def __repr__(self) -> str:
-        return f"Step({self.layer.name}, {self.part})"
+        return f"Step({self.call.name}, {self.part})"
 
 
-def steps_of(layers) -> list[Step]:
-    """The chain of steps of replayable ``layers``."""
+def steps_of(calls, first_free: int) -> list[Step]:
+    """The steps of replayable node ``calls``; a core's output gets number ``first_free``, then up."""
     steps = []
-    for layer in layers:
+    for call in calls:
+        layer = call.layer
         activation = getattr(layer, "activation", None)
         split = (
             isinstance(layer, SPLIT_ACTIVATION)
@@ -128,7 +145,12 @@ def steps_of(layers) -> list[Step]:
             and activation is not keras.activations.linear
             and layer.activity_regularizer is None
         )
-        steps += [Step(layer, "core"), Step(layer, "activation")] if split else [Step(layer, "layer")]
+        if split:
+            core = (first_free,)
+            first_free += 1
+            steps += [Step(call, "core", call.inputs, core), Step(call, "activation", core, call.outputs)]
+        else:
+            steps.append(Step(call, "node", call.inputs, call.outputs))
     return steps
 
 
@@ -164,75 +186,166 @@ def replaying(step: Step, saved: list):
 
 
 @_plain_python
-def forward(steps: list[Step], x, training: bool, keep: bool):
-    """Runs the chain: ``(y, activity loss, inputs of each step, seed states of each step)``.
+def forward(steps: list[Step], values: dict, training: bool, keep: bool):
+    """Runs the steps on ``values`` (updated in place): ``(activity loss, inputs of each step, seeds of each)``.
 
-    ``inputs`` and ``seeds`` are empty lists unless ``keep``.
+    ``inputs`` (per step, its input tensors in order) and ``seeds`` are empty lists unless ``keep``.
     """
     activity = tf.constant(0.0, tf.float32)
     inputs, seeds = [], []
     for step in steps:
         if keep:
-            inputs.append(x)
+            inputs.append([values[t] for t in step.inputs])
             seeds.append(seed_states(step))
-        x = step(x, training)
+        values.update(zip(step.outputs, step(values, training)))
         activity += _sum(step.own_losses())
-    return x, activity, inputs, seeds
+    return activity, inputs, seeds
 
 
 @_plain_python
-def input_gradient(steps: list[Step], inputs, seeds, grad, activity_scale, need_input_grad: bool, head=None):
-    """``I``: ``(gradient of the chain input or None, output gradient of each weighted step)``.
+def input_gradient(
+    steps, inputs, seeds, grads: dict, activity_scale, wanted, head=None, head_from: int = 0, values=None, reads=()
+):
+    """``I``: ``(gradients of the tensors in wanted, output gradients of each weighted step)``.
 
-    ``grad`` is the gradient of the loss with respect to the chain's output;
-    on the last stage it is ``None`` and ``head(y)`` gives the micro-batch's
-    loss from the chain's output instead (the loss must see the last step
-    itself: Keras computes a softmax's cross-entropy from its logits, so the
-    gradient with respect to the probabilities does not exist). Each step's
-    activity loss enters with weight ``activity_scale``.
+    A weighted step's output gradients are ``None`` where nothing read that output.
+
+    ``grads`` maps the stage's outputs to their gradients (what the later
+    stages sent back). On the last stage ``head(values)`` gives the
+    micro-batch's loss from the model outputs instead: the steps from
+    ``head_from`` on are replayed together with it under one tape (the loss
+    must see the step that made each output: Keras computes a softmax's
+    cross-entropy from its logits, so the gradient with respect to the
+    probabilities does not exist); ``values`` are the forward's tensors and
+    ``reads`` the model outputs ``head`` reads. Each step's activity loss
+    enters with weight ``activity_scale``. ``wanted`` lists the stage inputs
+    whose gradient the earlier stages wait for.
     """
-    step_grads = [None] * len(steps)
-    last = len(steps) - 1
-    for k in reversed(range(len(steps))):
-        step, x = steps[k], inputs[k]
-        at_head = head is not None and k == last
-        if step.variables and not at_head:
-            step_grads[k] = grad
-        if k == 0 and not need_input_grad and not (at_head and step.variables):
-            break
-        with replaying(step, seeds[k]), tf.GradientTape(watch_accessed_variables=False, persistent=at_head) as tape:
-            tape.watch(x)
-            y = step(x, True)
-            outer = head(y) if at_head else _dot(y, grad)
-            target = outer + activity_scale * _sum(step.own_losses())
-        if at_head and step.variables:
-            step_grads[k] = _zeros_if_none(tape.gradient(outer, y), y)
-        if k == 0 and not need_input_grad:
-            break
-        grad = _zeros_if_none(tape.gradient(target, x), x)
-    return (grad if need_input_grad else None), step_grads
-
-
-@_plain_python
-def weight_gradients(steps: list[Step], inputs: list, grads: list, activity_scale):
-    """``W``: the gradients of every weighted step's variables, from its inputs and output gradients.
-
-    ``inputs[k]``/``grads[k]`` are lists over micro-batches, concatenated
-    here so that each step's weight gradient is one pass over the batch.
-    """
-    result = []
-    for k, step in enumerate(steps):
-        if not step.variables:
+    grads = dict(grads)
+    step_grads: list = [None] * len(steps)
+    needs = _needing_gradients(steps, set(wanted))
+    stop = len(steps)
+    if head is not None:
+        stop = head_from
+        _head_gradient(
+            steps[head_from:],
+            values,
+            reads,
+            seeds[head_from:],
+            head,
+            activity_scale,
+            needs,
+            grads,
+            step_grads,
+            head_from,
+        )
+    for k in reversed(range(stop)):
+        step = steps[k]
+        outgoing = [grads.get(t) for t in step.outputs]
+        if all(g is None for g in outgoing):
             continue
-        x = tf.concat(inputs[k], axis=0) if len(inputs[k]) > 1 else inputs[k][0]
-        g = tf.concat(grads[k], axis=0) if len(grads[k]) > 1 else grads[k][0]
+        if step.variables:
+            step_grads[k] = outgoing
+        values = dict(zip(step.inputs, inputs[k]))
+        watched = [t for t in step.inputs if t in needs and values[t].dtype.is_floating]
+        if not watched:
+            continue
+        with replaying(step, seeds[k]), tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch([values[t] for t in watched])
+            outputs = step(values, True)
+            target = activity_scale * _sum(step.own_losses())
+            for y, g in zip(outputs, outgoing):
+                if g is not None:
+                    target += _dot(y, g)
+        _accumulate(grads, watched, tape.gradient(target, [values[t] for t in watched]), values)
+    return [grads.get(t) for t in wanted], step_grads
+
+
+def _head_gradient(steps, values, reads, seeds, head, activity_scale, needs, grads, step_grads, offset):
+    """The last steps replayed with the loss under one tape: gradients of what they read, and of their outputs."""
+    values = dict(values)
+    written = _written(steps)
+    read = dict.fromkeys([t for step in steps for t in step.inputs] + list(reads))
+    watched = [t for t in read if t not in written and t in needs and values[t].dtype.is_floating]
+    with contextlib.ExitStack() as stack:
+        for step, saved in zip(steps, seeds):
+            stack.enter_context(replaying(step, saved))
+        tape = stack.enter_context(tf.GradientTape(watch_accessed_variables=False, persistent=True))
+        tape.watch([values[t] for t in watched])
+        weighted_outputs = []
+        loss = tf.constant(0.0, tf.float32)
+        for step in steps:
+            outputs = step(values, True)
+            if step.variables:  # (recorded from here on even where nothing before it is watched)
+                tape.watch([y for y in outputs if y.dtype.is_floating])
+            values.update(zip(step.outputs, outputs))
+            weighted_outputs.append(outputs if step.variables else None)
+            loss += activity_scale * _sum(step.own_losses())
+        loss += head(values)
+    for position, outputs in enumerate(weighted_outputs):
+        if outputs is not None:
+            step_grads[offset + position] = list(tape.gradient(loss, outputs))
+    if watched:
+        _accumulate(grads, watched, tape.gradient(loss, [values[t] for t in watched]), values)
+    del tape
+
+
+def _needing_gradients(steps, wanted: set) -> set:
+    """The tensors whose gradient is needed: the wanted stage inputs, and every floating tensor a step writes."""
+    needs = set(wanted)
+    for step in steps:
+        needs.update(step.outputs)
+    return needs
+
+
+def _written(steps) -> set:
+    return {t for step in steps for t in step.outputs}
+
+
+def _accumulate(grads: dict, tensors, new, values) -> None:
+    for t, g in zip(tensors, new):
+        if g is None:
+            continue
+        g = tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        grads[t] = g if grads.get(t) is None else grads[t] + g
+
+
+@_plain_python
+def weight_gradients(steps: list[Step], inputs: list, grads: list, activity_scale, variables: list):
+    """``W``: the gradients of ``variables`` from every weighted step's inputs and output gradients.
+
+    ``inputs[k]``/``grads[k]`` are, for weighted step ``k``, lists over
+    micro-batches (each the step's input tensors / output gradients),
+    concatenated here so that each step's weight gradient is one pass over
+    the batch. A layer called by several steps gets the sum of their
+    gradients.
+    """
+    total: dict = {}
+    for k, step in enumerate(steps):
+        if not step.variables or inputs[k] is None:
+            continue
+        x = [_concat([mb[j] for mb in inputs[k]]) for j in range(len(step.inputs))]
+        g = [None if grads[k][0][j] is None else _concat([mb[j] for mb in grads[k]]) for j in range(len(step.outputs))]
         handles = [compat.variable_handle(v) for v in step.variables]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(handles)
-            y = step(x, True)
-            target = _dot(y, g) + activity_scale * _sum(step.own_losses())
-        result += [_zeros_if_none(grad, v) for grad, v in zip(tape.gradient(target, handles), step.variables)]
-    return result
+            outputs = step(dict(zip(step.inputs, x)), True)
+            target = activity_scale * _sum(step.own_losses())
+            for y, gy in zip(outputs, g):
+                if gy is not None:
+                    target += _dot(y, gy)
+        for variable, grad in zip(step.variables, tape.gradient(target, handles)):
+            if grad is None:
+                continue
+            grad = tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) and id(variable) in total else grad
+            total[id(variable)] = (
+                grad if id(variable) not in total else tf.convert_to_tensor(total[id(variable)]) + grad
+            )
+    return [_zeros_if_none(total.get(id(v)), v) for v in variables]
+
+
+def _concat(parts):
+    return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
 def _dot(y, g):
@@ -248,4 +361,6 @@ def _sum(losses) -> tf.Tensor:
 
 
 def _zeros_if_none(grad, like):
-    return tf.zeros(like.shape, like.dtype) if grad is None else grad
+    if grad is not None:
+        return grad
+    return tf.zeros(like.shape, like.dtype)

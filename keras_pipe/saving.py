@@ -19,12 +19,11 @@ import os
 import keras
 import numpy as np
 
-from keras_pipe import partition
 from keras_pipe.comm import TAG_STATE, Communicator
 from keras_pipe.errors import PipelineIOError
 from keras_pipe.failure import collective
 from keras_pipe.files import atomic_path, describe_unreadable
-from keras_pipe.weights import copy_from_first_replica
+from keras_pipe.weights import copy_from_first_replica, ordered
 
 ROOT = 0
 
@@ -88,58 +87,83 @@ def on_root(comm: Communicator, action, what: str, reading=None):
 # -- optimizer state ------------------------------------------------------
 
 
-def optimizer_state(optimizer, variables, first_index: int = 0) -> dict[str, np.ndarray]:
+def optimizer_state(optimizer, indexed: list, others=()) -> dict[str, np.ndarray]:
     """The optimizer's variables keyed so that stages and the whole model agree.
 
-    A slot (Adam's momentum of a kernel, say) is keyed by the model-wide
-    index of its weight and the slot's name; the optimizer's own variables
-    (iteration count, learning rate) by their names.
+    ``indexed``: ``(variable, model-wide index)`` of the trainable weights
+    whose slots to take; ``others``: weights whose slots to leave out (a
+    copy of a weight another stage answers for). A slot (Adam's momentum of
+    a kernel, say) is keyed by the model-wide index of its weight and the
+    slot's name (Keras names it after the weight's path); the optimizer's
+    own variables (iteration count, learning rate) by their names.
     """
-    keys = [(_path_key(v), first_index + i) for i, v in enumerate(variables)]
+    return {key: np.asarray(slot.numpy()) for key, slot in _slots(optimizer, indexed, others).items()}
+
+
+def assign_optimizer_state(optimizer, indexed: list, state: dict) -> None:
+    """Sets the optimizer's variables from :func:`optimizer_state` output (of any split)."""
+    slots = _slots(optimizer, indexed)
+    missing = sorted(set(slots) - set(state))
+    if missing:
+        raise PipelineIOError(f"the saved optimizer state lacks {missing[:5]}: was it saved with another optimizer?")
+    for key, slot in slots.items():
+        slot.assign(state[key])
+
+
+def _slots(optimizer, indexed: list, others=()) -> dict:
+    keys = [(_path_key(v), index) for v, index in indexed] + [(_path_key(v), None) for v in others]
     keys.sort(key=lambda pair: -len(pair[0]))  # longest prefix first: "d1_kernel_2" before "d1_kernel"
-    state = {}
+    slots = {}
     for slot in optimizer.variables:
         for prefix, index in keys:
             if slot.name.startswith(prefix + "_"):
-                state[f"{index}:{slot.name[len(prefix) + 1 :]}"] = np.asarray(slot.numpy())
+                if index is not None:
+                    slots[f"{index}:{slot.name[len(prefix) + 1 :]}"] = slot
                 break
         else:
-            state[f"optimizer:{slot.name}"] = np.asarray(slot.numpy())
-    return state
-
-
-def assign_optimizer_state(optimizer, variables, state: dict, first_index: int = 0) -> None:
-    """Sets the optimizer's variables from :func:`optimizer_state` output (of any split)."""
-    mine = optimizer_state(optimizer, variables, first_index)
-    missing = sorted(set(mine) - set(state))
-    if missing:
-        raise PipelineIOError(f"the saved optimizer state lacks {missing[:5]}: was it saved with another optimizer?")
-    lookup = dict(zip(mine, optimizer.variables))
-    for key, slot in lookup.items():
-        slot.assign(state[key])
+            slots[f"optimizer:{slot.name}"] = slot
+    return slots
 
 
 def _path_key(variable) -> str:
     return variable.path.replace("/", "_")
 
 
-# -- the equivalent Sequential ----------------------------------------------
+def trainable_index(model_weights) -> dict:
+    """``id(variable) -> index`` among the trainable ones of ``model_weights`` (the model-wide key of its slots)."""
+    trainable = [v for v in model_weights if v.trainable]
+    return {id(v): i for i, v in enumerate(trainable)}
 
 
-def skeleton(model) -> keras.Sequential:
-    """A ``Sequential`` with ``model``'s layers re-created from their configs, compiled as ``model`` is."""
-    shape, dtype = model.engine.input_spec
-    layers = [keras.layers.deserialize(keras.layers.serialize(layer)) for layer in model.layers]
-    sequential = keras.Sequential([keras.Input(batch_shape=shape, dtype=dtype), *layers], name=model.name)
+# -- the whole model ----------------------------------------------
+
+
+def skeleton(model) -> keras.Model:
+    """The pipeline's model re-created whole from its configs, compiled as the pipeline is (for rank 0).
+
+    A chain is the equivalent ``keras.Sequential``; a graph, its model's own
+    class (a keras_hub ``GPT2CausalLM`` saves as one).
+    """
+    if model._pipeline_layers:
+        shape, dtype = model._pipeline_input
+        # (safe_mode off: the configs are this process's own layers', a Lambda's too; loading a file keeps it on)
+        layers = [
+            keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer), safe_mode=False)
+            for layer in model._pipeline_layers
+        ]
+        whole = keras.Sequential([keras.Input(batch_shape=shape, dtype=dtype), *layers], name=model.name)
+    else:
+        config = keras.saving.serialize_keras_object(model._source)
+        whole = keras.saving.deserialize_keras_object(config, safe_mode=False)
     if model.compiled:
-        sequential.compile_from_config(model.get_compile_config())
-        if sequential.optimizer is not None and not sequential.optimizer.built:
-            sequential.optimizer.build(sequential.trainable_variables)
-    return sequential
+        whole.compile_from_config(model.get_compile_config())
+        if whole.optimizer is not None and not whole.optimizer.built:
+            whole.optimizer.build(whole.trainable_variables)
+    return whole
 
 
-def to_sequential(model) -> keras.Sequential | None:
-    """The whole model as a ``keras.Sequential`` on rank 0 (``None`` elsewhere); collective.
+def to_whole(model) -> keras.Model | None:
+    """The whole model as one Keras model on rank 0 (``None`` elsewhere); collective.
 
     With replicas, the first replica's pipeline gathers (the others hold the same weights).
     """
@@ -147,54 +171,69 @@ def to_sequential(model) -> keras.Sequential | None:
         return None
     engine = model.engine
     comm = engine.pipeline
-    gathered = gather_to_root(comm, [v.numpy() for v in engine.stage_weights()])
-    offset = engine.weight_offset(trainable=True)
+    entries = ordered(engine)
+    answered = [position for position, (_, owner, _) in enumerate(entries) if owner == engine.stage]
+    gathered = gather_to_root(comm, [entries[p][0].numpy() for p in answered])
+    positions = comm.allgather_json(answered)
     optimizer = model.optimizer if model.compiled else None
     with_optimizer = comm.allgather_json(bool(optimizer is not None and optimizer.built))
     opt_parts = None
     if all(with_optimizer):
-        state = optimizer_state(optimizer, engine.compute.trainable_variables, offset)
+        index = trainable_index([v for v, _, _ in entries])
+        indexed = [(entries[p][0], index[id(entries[p][0])]) for p in answered if id(entries[p][0]) in index]
+        answered_ids = {id(v) for v, _ in indexed}
+        copies = [v for v in engine.compute.trainable_variables if id(v) not in answered_ids]
+        state = optimizer_state(optimizer, indexed, copies)
         names = sorted(state)
         parts = gather_to_root(comm, [state[name] for name in names])
         keys = comm.allgather_json(names)
         opt_parts = [dict(zip(k, p)) for k, p in zip(keys, parts)] if parts is not None else None
     if comm.rank != ROOT:
         return None
-    sequential = skeleton(model)
-    sequential.set_weights([w for arrays in gathered for w in arrays])
-    if opt_parts is not None and sequential.optimizer is not None:
+    whole = skeleton(model)
+    values = [None] * len(entries)
+    for stage_positions, arrays in zip(positions, gathered):
+        for p, array in zip(stage_positions, arrays):
+            values[p] = array
+    whole.set_weights(values)
+    if opt_parts is not None and whole.optimizer is not None:
         merged = {}
         for part in opt_parts:
             merged.update(part)  # the optimizer's own variables are the same on every stage
-        assign_optimizer_state(sequential.optimizer, sequential.trainable_variables, merged)
-    return sequential
+        index = trainable_index(whole.weights)
+        assign_optimizer_state(whole.optimizer, [(v, index[id(v)]) for v in whole.trainable_variables], merged)
+    return whole
 
 
-def load_into(model, sequential: keras.Sequential | None) -> None:
-    """Gives every stage its weights (and optimizer state) from ``sequential`` on rank 0; collective.
+def load_into(model, whole: keras.Model | None) -> None:
+    """Gives every stage its weights (and optimizer state) from ``whole`` on rank 0; collective.
 
     The first replica's pipeline receives them from rank 0, then passes them to the other replicas.
     """
     if model.replica_index == 0:
-        _load_pipeline(model, sequential)
+        _load_pipeline(model, whole)
     copy_from_first_replica(model.engine, model.optimizer if model.compiled else None)
 
 
-def _load_pipeline(model, sequential: keras.Sequential | None) -> None:
+def _load_pipeline(model, whole: keras.Model | None) -> None:
     engine = model.engine
     comm = engine.pipeline
-    bounds = partition.stage_bounds(model.balance)
+    entries = ordered(engine)
+    held = comm.allgather_json([p for p, (_, _, here) in enumerate(entries) if here])
     per_rank = None
     if comm.rank == ROOT:
-        per_rank = [[w.numpy() for layer in sequential.layers[a:b] for w in layer.weights] for a, b in bounds]
-    weights = scatter_from_root(comm, per_rank)
-    for variable, value in zip(engine.stage_weights(), weights):
-        variable.assign(value)
+        values = [w.numpy() for w in whole.weights]
+        if len(values) != len(entries):
+            raise PipelineIOError(f"the file holds {len(values)} weights but the model has {len(entries)}")
+        per_rank = [[values[p] for p in positions] for positions in held]
+    received = scatter_from_root(comm, per_rank)
+    for p, value in zip(held[comm.rank], received):
+        entries[p][0].assign(value)
     has_state = comm.bcast_json(
         bool(
-            sequential is not None
-            and getattr(sequential, "optimizer", None) is not None  # an uncompiled model has none
-            and sequential.optimizer.built
+            whole is not None
+            and getattr(whole, "optimizer", None) is not None  # an uncompiled model has none
+            and whole.optimizer.built
             and model.compiled
         )
         if comm.rank == ROOT
@@ -203,31 +242,47 @@ def _load_pipeline(model, sequential: keras.Sequential | None) -> None:
     )
     if not has_state or not model.compiled:
         return
-    per_rank_state = None
+    index = trainable_index([v for v, _, _ in entries])
+    wanted = comm.allgather_json(
+        sorted({index[id(entries[p][0])] for p in held[comm.rank] if id(entries[p][0]) in index})
+    )
+    per_rank_state = keys = None
     if comm.rank == ROOT:
-        full = optimizer_state(sequential.optimizer, sequential.trainable_variables)
-        per_rank_state = []
-        for a, b in bounds:
-            first = sum(len(layer.trainable_weights) for layer in sequential.layers[:a])
-            last = first + sum(len(layer.trainable_weights) for layer in sequential.layers[a:b])
-            keys = sorted(k for k in full if k.startswith("optimizer:") or first <= int(k.split(":")[0]) < last)
-            per_rank_state.append(keys)
-    keys = comm.bcast_json(per_rank_state, root=ROOT)[comm.rank]
-    values = scatter_from_root(comm, [[full[k] for k in ks] for ks in per_rank_state] if comm.rank == ROOT else None)
+        whole_index = trainable_index(whole.weights)
+        full = optimizer_state(whole.optimizer, [(v, whole_index[id(v)]) for v in whole.trainable_variables])
+        keys = [sorted(k for k in full if k.startswith("optimizer:") or int(k.split(":")[0]) in set(w)) for w in wanted]
+        per_rank_state = [[full[k] for k in ks] for ks in keys]
+    keys = comm.bcast_json(keys, root=ROOT)[comm.rank]
+    values = scatter_from_root(comm, per_rank_state)
     optimizer = model.optimizer
     if not optimizer.built:
         optimizer.build(engine.compute.trainable_variables)
-    assign_optimizer_state(
-        optimizer, engine.compute.trainable_variables, dict(zip(keys, values)), engine.weight_offset(trainable=True)
-    )
+    indexed = [(v, index[id(v)]) for v in engine.compute.trainable_variables if id(v) in index]
+    assign_optimizer_state(optimizer, indexed, dict(zip(keys, values)))
+
+
+def _json_specs(spec):
+    """``(shape, dtype)`` pairs as JSON lists."""
+    from keras_pipe.building import map_specs
+
+    return map_specs(lambda shape, dtype: [list(shape), dtype], spec)
+
+
+def _tuple_specs(spec):
+    """The inverse of :func:`_json_specs`."""
+    if isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], str):
+        return (tuple(spec[0]), spec[1])
+    if isinstance(spec, dict):
+        return {k: _tuple_specs(v) for k, v in spec.items()}
+    return [_tuple_specs(v) for v in spec]
 
 
 def write_weights(model, filepath, overwrite: bool = True, finish=None, **kwargs) -> None:
     """``model.save_weights`` (collective); ``finish(path)`` runs on rank 0 on the complete file before its rename."""
-    sequential = model.to_sequential()
+    whole = to_whole(model)
 
     def write(temporary):
-        sequential.save_weights(temporary, **kwargs)
+        whole.save_weights(temporary, **kwargs)
         if finish is not None:
             finish(temporary)
 
@@ -246,14 +301,72 @@ def write_atomically(filepath, overwrite: bool, write) -> None:
         write(temporary)
 
 
+_DEFAULTS = dict(
+    num_microbatches=None,
+    balance=None,
+    split_before=None,
+    schedule="1f1b",
+    num_stages=None,
+    stall_timeout=None,
+    recompute="never",
+)
+
+
 class SavingMethods:
-    """``PipelineModel``'s saving and loading methods (a mixin; every one is collective)."""
+    """``PipelineModel``'s saving and loading methods (a mixin; every one is collective but the configs)."""
+
+    def get_config(self) -> dict:
+        """The model's configuration: its layers (or its graph's model) and the pipeline's options.
+
+        ``from_config`` re-creates it, as ``keras.Sequential``'s does, so that
+        ``pickle``, ``keras.models.clone_model`` and Keras' serialization work.
+        """
+        config = {"name": self.name, "trainable": self.trainable}
+        if self.dtype_policy.name != keras.config.dtype_policy().name:
+            config["dtype"] = keras.dtype_policies.serialize(self.dtype_policy)
+        config.update({k: v for k, v in self._options.items() if v != _DEFAULTS[k]})
+        if self._from_graph:
+            config["model"] = keras.saving.serialize_keras_object(self._source)
+            return config
+        config["layers"] = [keras.saving.serialize_keras_object(layer) for layer in self._pipeline_layers]
+        if self._pipeline_input is not None:
+            config["input"] = keras.tree.map_structure(lambda x: x, _json_specs(self._pipeline_input))
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A model from :meth:`get_config` output (collective, as creating any ``PipelineModel`` is)."""
+        import inspect
+
+        config = dict(config)
+        accepted = inspect.signature(cls.__init__).parameters
+        with keras.saving.custom_object_scope(custom_objects or {}):
+            layers = [keras.saving.deserialize_keras_object(c) for c in config.pop("layers", [])]
+            source = config.pop("model", None)
+            source = keras.saving.deserialize_keras_object(source) if source is not None else None
+        spec = config.pop("input", None)
+        kwargs = {k: v for k, v in config.items() if k in accepted}
+        if source is not None:
+            return cls.from_model(source, **kwargs)
+        items = []
+        if spec is not None:
+            from keras_pipe.building import map_specs
+
+            items.append(
+                map_specs(lambda shape, dtype: keras.Input(batch_shape=shape, dtype=dtype), _tuple_specs(spec))
+            )
+        return cls(items + layers, **kwargs) if items or layers else cls(**kwargs)
 
     @collective
-    def to_sequential(self) -> keras.Sequential | None:
-        """The whole model, weights and optimizer state, as a ``keras.Sequential`` on rank 0 (``None`` elsewhere)."""
+    def to_keras(self) -> keras.Model | None:
+        """The whole model, weights and optimizer state, as one Keras model on rank 0 (``None`` elsewhere).
+
+        A chain is a ``keras.Sequential``; a graph its model's own class.
+        """
         self.build()
-        return to_sequential(self)
+        return to_whole(self)
+
+    to_sequential = to_keras
 
     @collective
     def save(self, filepath, overwrite: bool = True, zipped=None, **kwargs) -> None:
@@ -263,13 +376,14 @@ class SavingMethods:
         without MPI or keras_pipe; :func:`keras_pipe.load_model` opens it on
         any number of ranks.
         """
-        sequential = self.to_sequential()
+        self.build()
+        whole = to_whole(self)
         arguments = dict(kwargs)
         if zipped is not None:
             arguments["zipped"] = zipped
 
         def write(temporary):
-            sequential.save(temporary, **arguments)
+            whole.save(temporary, **arguments)
 
         on_root(self.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save {filepath}")
 
@@ -284,8 +398,8 @@ class SavingMethods:
         self.build()
 
         def read():
-            sequential = skeleton(self)
-            sequential.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
-            return sequential
+            whole = skeleton(self)
+            whole.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+            return whole
 
         load_into(self, on_root(self.engine.world, read, f"load weights from {filepath}", reading=filepath))

@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from keras_pipe.comm import Communicator
+from keras_pipe.comm import Communicator, start_timeout_from_env
 from keras_pipe.consistency import ranks_by_value
 from keras_pipe.errors import RankMismatchError
 from keras_pipe.layout import Layout, host_name
+
+_met = False  # whether this process's ranks have met once (the first rendezvous has its own timeout)
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,12 @@ class Topology:
 
 def connect(num_stages: int | None = None, stall_timeout: float | None = None) -> Topology:
     """Lays out ``MPI.COMM_WORLD`` as replicas of ``num_stages``-stage pipelines (collective)."""
+    global _met
     world = Communicator(stall_timeout=stall_timeout)
     mine = [host_name(), num_stages, os.getpid()]
-    everyone = world.allgather_json(mine) if world.size > 1 else [mine]
+    timeout = None if _met else min(world.stall_timeout, start_timeout_from_env())
+    everyone = world.allgather_json(mine, timeout=timeout) if world.size > 1 else [mine]
+    _met = True
     world.set_peers([(host, pid) for host, _, pid in everyone])
     check_same_num_stages([stages for _, stages, _ in everyone])
     layout = Layout.from_hosts([host for host, _, _ in everyone], num_stages)

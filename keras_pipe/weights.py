@@ -1,8 +1,10 @@
 """The whole model's weights across stages and replicas: gather, assign, copy between replicas.
 
-Each rank holds only its stage's weights; these helpers give the
-``Sequential``-ordered view (``get_weights``/``set_weights``) and keep a
-stage's replicas identical. All of them are collective.
+Each rank holds only its stage's weights; these helpers give the view of
+the unsplit model (``get_weights``/``set_weights``, in the order of its
+``weights``) and keep a stage's replicas identical. A weight several stages
+hold (a layer called on each of them) appears once, answered for by the
+first stage holding it. All of them are collective.
 """
 
 from __future__ import annotations
@@ -11,49 +13,59 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_pipe import partition
 from keras_pipe.errors import PipelineConfigError
 
 
+def ordered(engine) -> list[tuple]:
+    """``(variable, owner stage, held here)`` for each weight of the model, in ``model.weights`` order."""
+    held = set(engine.stage_units())
+    result = []
+    for unit, index in engine.graph.weight_order:
+        variable = engine.graph.units[unit].weights[index]
+        result.append((variable, engine.owner_of(unit), unit in held))
+    return result
+
+
+def stage_weights(engine) -> list:
+    """This stage's variables, in the model's order (a weight held by several stages, on each of them)."""
+    return [variable for variable, _, here in ordered(engine) if here]
+
+
 def gather(engine) -> list[np.ndarray]:
-    """Every layer's weights in layer order, on every rank, from the first replica's stages."""
+    """Every weight of the model in ``model.weights`` order, on every rank, from the first replica's stages."""
     weights = []
-    for stage, (start, stop) in enumerate(partition.stage_bounds(engine.balance)):
-        shapes = [w for spec in engine.specs[start:stop] for w in spec.weight_shapes]
-        if stage == engine.stage and engine.replica == 0:
-            local = [np.asarray(v.numpy()) for v in engine.stage_weights()]
+    for variable, owner, _ in ordered(engine):
+        if owner == engine.stage and engine.replica == 0:
+            array = np.asarray(variable.numpy())
         else:
-            local = [np.empty(shape, dtype) for shape, dtype in shapes]
+            array = np.empty(tuple(variable.shape), np.dtype(variable.dtype))
         if engine.world.size > 1:
-            owner = engine.layout.rank_of(0, stage)
-            local = [engine.world.bcast_array(array, root=owner) for array in local]
-        weights.extend(local)
+            array = engine.world.bcast_array(array, root=engine.layout.rank_of(0, owner))
+        weights.append(array)
     return weights
 
 
 def assign(engine, weights: Sequence[np.ndarray]) -> None:
-    """Sets this rank's stage from rank 0's ``Sequential``-ordered ``weights`` (checked against the model's shapes).
+    """Sets this rank's stage from rank 0's ``weights`` (in ``model.weights`` order, checked against the shapes).
 
     Rank 0's list is the model, as Horovod's broadcast makes it: an unseeded
-    script whose ranks each built their own random ``Sequential`` trains
-    rank 0's.
+    script whose ranks each built their own random model trains rank 0's.
     """
-    shapes = [w for spec in engine.specs for w in spec.weight_shapes]
-    if len(weights) != len(shapes):
-        raise PipelineConfigError(f"set_weights got {len(weights)} arrays but the model has {len(shapes)} weights.")
-    for index, ((shape, _), value) in enumerate(zip(shapes, weights)):
-        if tuple(np.shape(value)) != tuple(shape):
+    entries = ordered(engine)
+    if len(weights) != len(entries):
+        raise PipelineConfigError(f"set_weights got {len(weights)} arrays but the model has {len(entries)} weights.")
+    for index, ((variable, _, _), value) in enumerate(zip(entries, weights)):
+        if tuple(np.shape(value)) != tuple(variable.shape):
             raise PipelineConfigError(
-                f"set_weights: weight {index} has shape {tuple(np.shape(value))}, expected {tuple(shape)}."
+                f"set_weights: weight {index} ({variable.path}) has shape {tuple(np.shape(value))}, expected "
+                f"{tuple(variable.shape)}."
             )
-    offset = engine.weight_offset()
-    mine = engine.stage_weights()
-    for index, (_, dtype) in enumerate(shapes):
-        value = np.array(weights[index], dtype=dtype)  # (ascontiguousarray makes a scalar 1-d)
+    for (variable, _, here), value in zip(entries, weights):
+        value = np.array(value, dtype=np.dtype(variable.dtype))  # (ascontiguousarray makes a scalar 1-d)
         if engine.world.size > 1:
             value = engine.world.bcast_array(value, root=0)
-        if offset <= index < offset + len(mine):
-            mine[index - offset].assign(value)
+        if here:
+            variable.assign(value)
 
 
 def copy_from_first_replica(engine, optimizer=None) -> None:
@@ -65,7 +77,7 @@ def copy_from_first_replica(engine, optimizer=None) -> None:
     if replicas is None or not engine.built:
         return
     engine.world.doing = "copying the first replica's weights to the other replicas"
-    variables = engine.stage_weights()
+    variables = stage_weights(engine)
     if optimizer is not None and replicas.bcast_json(bool(optimizer.built), root=0):
         if not optimizer.built:
             optimizer.build(engine.compute.trainable_variables)
@@ -74,3 +86,30 @@ def copy_from_first_replica(engine, optimizer=None) -> None:
         value = replicas.bcast_array(np.array(variable.numpy()), root=0)
         if engine.replica:
             variable.assign(value)
+
+
+def copy_between_holders(engine) -> None:
+    """A weight several stages hold starts alike on each: the first holder's value (collective over the pipeline)."""
+    shared = engine.cut.shared
+    if not shared or engine.num_stages == 1:
+        return
+    for variable, owner, here in ordered(engine):
+        unit = _unit_of(engine, variable)
+        if unit not in shared:
+            continue
+        holders = shared[unit]
+        array = (
+            np.asarray(variable.numpy())
+            if engine.stage == owner
+            else np.empty(tuple(variable.shape), np.dtype(variable.dtype))
+        )
+        array = engine.pipeline.bcast_array(array, root=owner)
+        if here and engine.stage != owner and engine.stage in holders:
+            variable.assign(array)
+
+
+def _unit_of(engine, variable) -> str | None:
+    for unit, layer in engine.graph.units.items():
+        if any(v is variable for v in layer.weights):
+            return unit
+    return None

@@ -44,19 +44,21 @@ def run_mpi(
     mpirun_args: tuple[str, ...] = (),
     rank_env: list[dict] | None = None,
     wrapper: tuple[str, ...] = (),
+    python_args: tuple[str, ...] = (),
 ) -> Launch:
     """Runs ``tests/mpi_scripts/<script>`` on ``nprocs`` ranks; kills the whole job after ``timeout`` s.
 
     ``mpirun_args`` go before the program (a host file, say); ``rank_env``
     gives each rank variables of its own (an MPMD launch, one rank per part);
-    ``wrapper`` comes before Python on each rank's command line (a shell, say).
+    ``wrapper`` comes before Python on each rank's command line (a shell, say),
+    ``python_args`` after it (``("-m", "mpi4py")``: mpi4py's runner).
     """
     environment = dict(os.environ)
     environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     environment["PYTHONUNBUFFERED"] = "1"
     environment["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent.parent), environment.get("PYTHONPATH", "")])
     environment.update(env or {})
-    program = [*wrapper, sys.executable, str(SCRIPTS / script), *args]  # absolute paths pass through
+    program = [*wrapper, sys.executable, *python_args, str(SCRIPTS / script), *args]  # absolute paths pass through
     if rank_env is None:
         command = [mpirun_path(), *mpirun_args, "-n", str(nprocs), *program]
     else:

@@ -19,7 +19,6 @@ EXPECTED = {
     "a layer used twice": "appears twice in the layer list",
     "not a chain": "layer 2 (concatenate, Concatenate) cannot be called on an input of shape (None, 16)",
     "loss without reduction": "reduction=None cannot be combined over micro-batches",
-    "several losses": "a PipelineModel has one output",
     "stall_timeout": "stall_timeout=0: give the seconds a rank may wait",
     "stall_timeout not a number": "stall_timeout='abc': give the seconds",
     "compute_loss override": "OwnLoss overrides compute_loss()",

@@ -31,17 +31,17 @@ class FakeCompute:
     def end_step(self):
         pass
 
-    def forward(self, i, x, training, recompute=False):
+    def forward(self, i, inputs, training, recompute=False):
         self.log.append(f"F{i}")
-        return np.zeros(1), 0.0
+        return [np.zeros(1)], 0.0
 
-    def forward_backward(self, i, loss_fn, x, y, sample_weight, scales):
+    def forward_backward(self, i, loss, inputs, y, sample_weight, coefficients):
         self.log.append(f"{'FI' if self.split else 'FB'}{i}")
-        return 0.5, np.zeros(1), np.zeros(1)
+        return 0.5, np.zeros(1), [np.zeros(1)], [np.zeros(1)]
 
-    def backward(self, i, grad, scale):
+    def backward(self, i, grads, scale):
         self.log.append(f"{'I' if self.split else 'B'}{i}")
-        return np.zeros(1)
+        return [np.zeros(1)]
 
     def weights(self, microbatches, scale, regularize, optimizer, loss_scale=1.0):
         self.log.append(f"W{'-'.join(map(str, microbatches))}" + ("+update" if optimizer else ""))
@@ -57,19 +57,19 @@ class FakeLinks:
     def __init__(self, log):
         self.log = log
 
-    def send_activation(self, y):
+    def send_activations(self, outputs):
         self.log.append("send activation")
 
-    def receive_activation(self, rows):
+    def receive_activations(self, rows):
         self.log.append("receive activation")
-        return np.zeros((rows, 1))
+        return [np.zeros((rows, 1))]
 
-    def send_gradient(self, grad):
+    def send_gradients(self, grads):
         self.log.append("send gradient")
 
-    def receive_gradient(self, rows):
+    def receive_gradients(self, rows):
         self.log.append("receive gradient")
-        return np.zeros((rows, 1))
+        return [np.zeros((rows, 1))]
 
     def progress(self):
         pass
@@ -77,6 +77,13 @@ class FakeLinks:
 
 class Status:
     doing = ""
+    in_step = False
+
+
+class OneTerm:
+    """A loss of one term (what the executor reads of a MicrobatchLoss)."""
+
+    size = 1
 
 
 def replay(schedule_name, stage, num_stages, m, split):
@@ -95,8 +102,11 @@ def replay(schedule_name, stage, num_stages, m, split):
         phase="train",
         batch_size=4 * m,
         bounds=[(4 * i, 4 * i + 4) for i in range(m)],
-        x=np.zeros((4 * m, 1)),
+        x=[np.zeros((4 * m, 1))],
         y=np.zeros(4 * m),
+        loss=OneTerm(),
+        shares=np.full((m, 1), 1.0 / m),
+        term_weights=np.ones(1),
         optimizer="adam",
     )
     executor.run(actions, batch)
@@ -164,7 +174,7 @@ def test_a_failing_action_leaves_nothing_behind():
 
     log = []
     executor = Executor(Failing(log, False), FakeLinks(log), None, True, False, Status(), "stage 0")
-    batch = Batch(phase="train", batch_size=4, bounds=[(0, 4)], x=np.zeros((4, 1)), optimizer="adam")
+    batch = Batch(phase="train", batch_size=4, bounds=[(0, 4)], x=[np.zeros((4, 1))], optimizer="adam")
     with pytest.raises(RuntimeError, match="boom"):
         executor.run(make_schedule("1f1b", 2, 1)[0], batch)
     assert log[-1] == "forget"
@@ -176,14 +186,14 @@ def test_a_masked_mean_loss_is_seeded_once_the_whole_batch_is_counted():
     # the batch's loss is (2 * 1.0 + 6 * 0.5) / 8, and each micro-batch's summed
     # loss is seeded with 1/8, not weighted by its rows.
     class Counting(FakeCompute):
-        def forward_head(self, i, loss_fn, reduction, x, y, sample_weight, training, recompute=False):
+        def forward_head(self, i, loss, inputs, y, sample_weight, training, recompute=False):
             self.log.append(f"F{i}")
-            denominator = [2.0, 6.0][i]
-            return [1.0, 0.5][i] * denominator, denominator, np.zeros(1), 0.0
+            divisor = [2.0, 6.0][i]
+            return np.array([[1.0, 0.5][i] * divisor]), np.array([divisor]), [np.zeros(1)], 0.0
 
-        def backward(self, i, grad, scale):
-            self.log.append(f"B{i} seed {float(grad)}")
-            return np.zeros(1)
+        def backward(self, i, grads, scale):
+            self.log.append(f"B{i} seed {float(np.asarray(grads[0])[0])}")
+            return [np.zeros(1)]
 
     log = []
     executor = Executor(Counting(log, False), FakeLinks(log), None, False, True, Status(), "stage 1")
@@ -191,8 +201,11 @@ def test_a_masked_mean_loss_is_seeded_once_the_whole_batch_is_counted():
         phase="train",
         batch_size=8,
         bounds=[(0, 4), (4, 8)],
-        x=np.zeros((8, 1)),
+        x=[np.zeros((8, 1))],
         y=np.zeros(8),
+        loss=OneTerm(),
+        shares=np.full((2, 1), 0.5),
+        term_weights=np.ones(1),
         optimizer="adam",
         whole_batch_loss=True,
     )

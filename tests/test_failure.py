@@ -12,31 +12,61 @@ from mpi import run_mpi
         ("callback", "boom from a callback on rank 2"),
         ("layer", "a layer failed on rank 2"),
         ("data", "the data reader failed on rank 2"),
+        ("validation", "Invalid input shape"),
     ],
 )
 def test_rank_failure_ends_every_rank(where, message):
     launch = run_mpi(4, "fail_rank.py", "2", where, timeout=120)
     assert launch.returncode != 0, launch.output
     assert launch.seconds < 60, launch.output
-    assert "rank 2 of 4" in launch.output, launch.output
+    failing = 0 if where == "validation" else 2  # (the first stage reads the validation data)
+    assert f"rank {failing} of 4" in launch.output, launch.output
     assert message in launch.output, launch.output
     assert "finished without noticing" not in launch.output, launch.output
 
 
 @pytest.mark.parametrize(
     "mode, message",
-    [("script", "rank 1 failed in the first lines of its script"), ("import", "ModuleNotFoundError")],
+    [
+        ("script", "rank 1 failed in the first lines of its script"),
+        ("import", "ModuleNotFoundError"),
+    ],
 )
-def test_a_rank_failing_before_keras_pipe_is_imported_ends_the_job_naming_it(mode, message):
-    # The failed rank sits in MPI_Finalize (mpi4py's exit), so the launcher never ends
-    # the job: the others must, within the stall timeout, naming the rank that is missing.
-    launch = run_mpi(3, "early_failure.py", mode, timeout=120, env={"KERAS_PIPE_STALL_TIMEOUT": "10"})
+def test_a_rank_failing_before_keras_pipe_is_imported_is_named_within_a_minute(mode, message):
+    # The failed rank never reaches the first rendezvous (it sits in MPI_Finalize, or never joined
+    # MPI), so the launcher never ends the job: the others must, with the default timeouts, naming
+    # the rank that is missing, at the first rendezvous's own timeout (not the stall timeout's 600 s).
+    launch = run_mpi(3, "early_failure.py", mode, timeout=120)
     assert launch.returncode != 0, launch.output
-    assert launch.seconds < 10 + 40, launch.output
+    assert launch.seconds < 60, launch.output
     assert message in launch.output, launch.output
     assert re.search(r"  rank 1: no answer within .*failed before its first PipelineModel", launch.output)
+    assert "KERAS_PIPE_START_TIMEOUT" in launch.output, launch.output
     assert launch.output.count("What each rank was doing") <= 2, "one report (its traceback repeats it)"
     assert "finished without noticing" not in launch.output, launch.output
+
+
+def test_a_rank_failing_after_the_import_ends_the_job_within_seconds():
+    launch = run_mpi(3, "early_failure.py", "after-import", timeout=120)
+    assert launch.returncode != 0, launch.output
+    assert launch.seconds < 45, launch.output
+    assert "[keras_pipe] rank 1 of 3" in launch.output and "FileNotFoundError" in launch.output, launch.output
+    assert "What each rank was doing" not in launch.output, "the failing rank ended the job itself"
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [("before-mpi", "rank 1 failed before importing mpi4py"), ("script", "rank 1 failed in the first lines")],
+)
+def test_under_keras_pipes_runner_a_failure_in_the_first_line_ends_the_job_at_once(mode, message):
+    # A rank that fails before MPI starts leaves MPICH's other ranks inside MPI_Init, where no
+    # library can speak: `python -m keras_pipe` starts MPI and the failure hook before the
+    # script's first line (the README's launch line).
+    launch = run_mpi(3, "early_failure.py", mode, timeout=120, python_args=("-m", "keras_pipe"))
+    assert launch.returncode != 0, launch.output
+    assert launch.seconds < 45, launch.output
+    assert message in launch.output and "[keras_pipe] rank 1 of 3" in launch.output, launch.output
+    assert "What each rank was doing" not in launch.output, "the failing rank ended the job itself"
 
 
 def test_an_error_raised_alike_on_every_rank_is_printed_once():

@@ -100,7 +100,6 @@ def compile_with(**options):
 
 
 case("loss without reduction", compile_with(loss=keras.losses.SparseCategoricalCrossentropy(reduction=None)))
-case("several losses", compile_with(loss=["mse", "mse"]))
 
 
 case("stall_timeout", lambda: PipelineModel(layers(), stall_timeout=0))

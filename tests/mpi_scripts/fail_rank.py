@@ -1,8 +1,9 @@
 """One rank raises in the middle of an epoch; every rank must end, non-zero, quickly.
 
 Usage: fail_rank.py FAILING_RANK WHERE, with WHERE one of ``callback`` (a
-callback raises), ``layer`` (a layer raises inside the compiled step) or
-``data`` (the rank's data generator raises).
+callback raises), ``layer`` (a layer raises inside the compiled step),
+``data`` (the rank's data generator raises) or ``validation`` (every rank is
+given validation data of the wrong shape, which only the first stage reads).
 """
 
 import sys
@@ -60,6 +61,10 @@ if where == "data":
             yield x[:32], y[:32]
 
     model.fit(batches(), steps_per_epoch=20, epochs=3, verbose=0)
+elif where == "validation":
+    # 12 features as (-1, 4, 3): only the first stage reads x, so only it can find out
+    bad = (x[:64].reshape((-1, 4, 3)), y[:64])
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, validation_data=bad)
 else:
     model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[Boom()] if where == "callback" else [])
 print(f"rank {RANK} finished without noticing the failure", flush=True)

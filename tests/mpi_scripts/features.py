@@ -298,8 +298,9 @@ class Trigger(keras.callbacks.Callback):
     """Makes the second batch's gradient overflow, on whichever rank holds the layer."""
 
     def on_train_batch_begin(self, batch, logs=None):
-        for layer in self.model.layers:
-            if isinstance(layer, OverflowOnce) and layer.built:
+        # (a pipeline's own: the layers whose weights this rank holds)
+        for layer in getattr(self.model, "stage_layers", self.model.layers):
+            if isinstance(layer, OverflowOnce):
                 layer.trigger.assign(1.0 if batch == 1 else 0.0)
 
 

@@ -1,0 +1,289 @@
+"""A Keras model as a graph of nodes: what every rank knows of every call, and how its own calls run.
+
+A Functional model already is its graph (Keras' ``Node``s and
+``KerasTensor``s): no tracer is needed. :func:`from_model` walks it in
+Keras' own execution order, expands every nested model (a backbone inside a
+task model) into its nodes, and numbers the tensors; the result is the
+plain :class:`keras_pipe.cut.Graph` every rank cuts alike, plus, per node,
+a :class:`NodeCall` that runs the Keras call on real tensors as
+``Functional.call`` does (the same arguments, ``training`` where the
+operation takes it, Keras masks riding on the tensors). A list of layers is
+first made a Functional model (:func:`chain_model`), as ``keras.Sequential``
+makes one, so a chain is the special case of a graph, not a second code
+path.
+
+The layers of a model built here are built inside
+:func:`keras_pipe.compat.unallocated_scope`: their variables have shapes and
+initializers but no memory, until the rank that owns them initializes them
+(:func:`allocate`). A model handed in built has its weights on every rank;
+:func:`release` frees those a rank does not own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import keras
+
+from keras_pipe import compat, cut
+from keras_pipe.errors import PipelineConfigError
+
+
+class NodeCall:
+    """One Keras call of the graph, runnable on tensor values.
+
+    ``inputs``/``outputs`` are tensor numbers; ``values`` maps numbers to
+    tensors (with their Keras masks attached).
+    """
+
+    def __init__(self, node, index_of: dict, name: str):
+        self.node = node
+        self.operation = node.operation
+        self.name = name
+        self._keys = [(id(kt), index_of[id(kt)]) for kt in node.input_tensors]
+        self.inputs = tuple(dict.fromkeys(index for _, index in self._keys))
+        self.outputs = tuple(index_of[id(kt)] for kt in node.outputs)
+
+    @property
+    def layer(self):
+        """The layer called, or ``None`` for an op node (``x[:, 0]``, ``keras.ops.add``)."""
+        return self.operation if isinstance(self.operation, keras.layers.Layer) else None
+
+    def __call__(self, values: dict, training=None) -> list:
+        tensors = {key: values[index] for key, index in self._keys}
+        args, kwargs = self.node.arguments.fill_in(tensors)
+        outputs = compat.call_operation(self.operation, args, kwargs, training)
+        return keras.tree.flatten(outputs)
+
+    def __repr__(self) -> str:
+        return f"NodeCall({self.name}: {list(self.inputs)} -> {list(self.outputs)})"
+
+
+@dataclass
+class ModelGraph:
+    """A model's plain graph (the same on every rank) and the Keras objects behind it.
+
+    ``units`` maps a unit name to its layer (every layer holding variables,
+    once however often it is called); ``weight_order`` lists, in the order
+    of ``model.weights``, each weight's ``(unit, index in layer.weights)``.
+    """
+
+    model: keras.Model
+    plain: cut.Graph
+    calls: list
+    units: dict
+    weight_order: list
+
+    def unit_weights(self, unit: str) -> list:
+        return list(self.units[unit].weights)
+
+    def input_structure(self):
+        """The model's inputs as it takes them (a tensor, list or dict of ``KerasTensor``s)."""
+        return self.model._inputs_struct
+
+    def output_structure(self):
+        return self.model._outputs_struct
+
+    def weight_shapes(self, unit: str, trainable: bool = False) -> list:
+        layer = self.units[unit]
+        weights = layer.trainable_weights if trainable else layer.weights
+        return [(tuple(w.shape), str(w.dtype)) for w in weights]
+
+
+def chain_model(layers, input_tensor, name: str | None = None) -> keras.Model:
+    """The Functional model of a chain of ``layers`` on ``input_tensor``, as ``keras.Sequential`` builds it.
+
+    Built without allocating the layers' weights (see the module docstring).
+    """
+    with compat.unallocated_scope():
+        x = input_tensor
+        for index, layer in enumerate(layers):
+            try:
+                x = layer(x)
+            except Exception as error:  # noqa: BLE001 - re-raised with context
+                raise PipelineConfigError(
+                    f"layer {index} ({layer.name}, {type(layer).__name__}) cannot be called on an input of "
+                    f"shape {_shapes(x)} and dtype {_dtype(x)}: {error}"
+                ) from error
+        return keras.Model(input_tensor, x, name=name)
+
+
+def from_model(model: keras.Model) -> ModelGraph:
+    """The graph of a built Functional (or Sequential) model, nested models expanded into their nodes."""
+    functional = functional_of(model)
+    if functional is None:
+        raise PipelineConfigError(
+            f"{type(model).__name__} {model.name!r} is not a Functional or Sequential model (a subclassed model's "
+            "graph is its Python code, which keras_pipe cannot cut). Build it with keras.Model(inputs, outputs), "
+            "or write its layers as a list."
+        )
+    walk = _Walk()
+    inputs = [walk.new_tensor(kt, kt.name) for kt in functional.inputs]
+    outputs = walk.run(functional, inputs)
+    plain = cut.Graph(tuple(walk.tensors), tuple(walk.nodes), tuple(inputs), tuple(outputs))
+    return ModelGraph(model, plain, walk.calls, walk.units, _weight_order(model, walk))
+
+
+def functional_of(model):
+    """The Functional graph behind ``model``: itself, or a built Sequential's; ``None`` for a subclassed model."""
+    if isinstance(model, keras.Sequential):
+        return compat.sequential_functional(model)
+    return model if compat.is_functional(model) else None
+
+
+class _Walk:
+    """Numbers tensors and collects nodes while walking a Functional graph (and every nested one)."""
+
+    def __init__(self):
+        self.tensors: list[cut.Tensor] = []
+        self.nodes: list[cut.Node] = []
+        self.calls: list[NodeCall] = []
+        self.units: dict[str, keras.layers.Layer] = {}
+        self.unit_of: dict[int, str] = {}  # id(layer) -> unit name
+        self.index_of: dict[int, int] = {}  # id(KerasTensor) -> tensor number
+        self.names: set[str] = set()
+        self.calls_of: dict[int, int] = {}  # id(operation) -> calls so far
+
+    def new_tensor(self, kt, name: str) -> int:
+        mask = compat.get_mask(kt)
+        self.tensors.append(
+            cut.Tensor(name, tuple(kt.shape), str(kt.dtype), None if mask is None else tuple(mask.shape))
+        )
+        self.index_of[id(kt)] = len(self.tensors) - 1
+        return len(self.tensors) - 1
+
+    def run(self, functional, inputs: list) -> list:
+        for kt, index in zip(functional.inputs, inputs):
+            self.index_of[id(kt)] = index
+        for node in compat.execution_order(functional):
+            inner = functional_of(node.operation) if isinstance(node.operation, keras.Model) else None
+            if inner is not None:
+                self._expand(node, inner)
+            else:
+                self._add(node)
+        return [self.index_of[id(kt)] for kt in functional.outputs]
+
+    def _expand(self, node, inner) -> None:
+        """A nested model's nodes in place of its call: its inputs are the call's tensors."""
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        # (Keras records mask=None, or a structure of Nones, on a nested model's call)
+        extra = sorted(
+            k for k, v in kwargs.items() if k != "training" and any(leaf is not None for leaf in keras.tree.flatten(v))
+        )
+        if len(args) != 1 or extra:
+            raise PipelineConfigError(
+                f"the nested model {node.operation.name!r} is called with more than its inputs ({extra or args}); "
+                "keras_pipe expands a nested model called as model(inputs)."
+            )
+        given = keras.tree.flatten(args[0])
+        if len(given) != len(inner.inputs):
+            raise PipelineConfigError(
+                f"the nested model {node.operation.name!r} takes {len(inner.inputs)} inputs but is called with "
+                f"{len(given)}."
+            )
+        outputs = self.run(inner, [self.index_of[id(kt)] for kt in given])
+        for kt, index in zip(node.outputs, outputs):
+            self.index_of[id(kt)] = index
+
+    def _add(self, node) -> None:
+        operation = node.operation
+        count = self.calls_of.get(id(operation), 0)
+        self.calls_of[id(operation)] = count + 1
+        name = operation.name if not count else f"{operation.name}:{count}"
+        while name in self.names:  # (a nested model's layer named as an outer one)
+            name += "'"
+        self.names.add(name)
+        for position, kt in enumerate(node.outputs):
+            suffix = f"[{position}]" if len(node.outputs) > 1 else ""
+            self.new_tensor(kt, f"{name}{suffix}")
+        call = NodeCall(node, self.index_of, name)
+        unit, params = None, 0
+        layer = call.layer
+        if layer is not None and layer.variables:
+            unit = self.unit_of.get(id(layer))
+            if unit is None:
+                unit = layer.name if layer.name not in self.units else f"{layer.name}#{len(self.units)}"
+                self.units[unit] = layer
+                self.unit_of[id(layer)] = unit
+            params = int(sum(_size(w.shape) for w in layer.weights))
+        self.calls.append(call)
+        kind = type(operation).__name__
+        self.nodes.append(cut.Node(name, call.inputs, call.outputs, unit, params + 1.0, kind, op=layer is None))
+
+
+def _weight_order(model, walk: _Walk) -> list:
+    """Each of ``model.weights``, as ``(unit, index in the unit's layer.weights)``."""
+    where = {}
+    for unit, layer in walk.units.items():
+        for index, variable in enumerate(layer.weights):
+            where.setdefault(id(variable), (unit, index))
+    order, orphans = [], []
+    for variable in model.weights:
+        if id(variable) in where:
+            order.append(where[id(variable)])
+        else:
+            orphans.append(variable.path)
+    if orphans:
+        raise PipelineConfigError(
+            f"{model.name!r} holds weights that no node of its graph uses ({orphans[:5]}); keras_pipe places "
+            "weights with the layers that use them. Leave unused layers out of the model."
+        )
+    return order
+
+
+# -- memory ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def unallocated():
+    """Models and layers created inside hold shapes, not weights, until a ``PipelineModel`` is made of them.
+
+    Each rank then allocates only its own stage's weights, with their
+    initializers: a model too large for one process is never whole anywhere.
+    Seed Keras (``keras.utils.set_random_seed``) before creating the model
+    for initial weights equal to the unsplit model's.
+
+    Example:
+
+    ```python
+    keras.utils.set_random_seed(0)
+    with keras_pipe.unallocated():
+        lm = keras_hub.models.GPT2CausalLM(backbone=keras_hub.models.GPT2Backbone(...), preprocessor=None)
+    model = keras_pipe.PipelineModel.from_model(lm, num_microbatches=8)
+    ```
+    """
+    with compat.unallocated_scope():
+        yield
+
+
+def allocate(layers) -> None:
+    """Gives memory (and initial values) to the unallocated variables of ``layers`` (this rank's own)."""
+    for layer in layers:
+        for variable in layer.variables:
+            if compat.unallocated(variable):
+                variable._deferred_initialize()
+
+
+def release(layers) -> None:
+    """Frees the weights of ``layers`` another rank owns (they stay as shapes, and cannot be read here)."""
+    for layer in layers:
+        for variable in layer.variables:
+            compat.release_variable(variable)
+
+
+def _shapes(x) -> tuple:
+    if isinstance(x, keras.KerasTensor):
+        return tuple(x.shape)
+    return tuple(tuple(leaf.shape) for leaf in keras.tree.flatten(x))
+
+
+def _dtype(x) -> str:
+    return str(keras.tree.flatten(x)[0].dtype)
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,98 @@
+"""Learning what a model does on real tensors: the Keras masks that ride with them, and their shapes.
+
+Every rank knows every tensor's shape and dtype from the model's symbolic
+graph, but not always its Keras mask: a layer may attach one inside
+``call()`` on real tensors only (keras_hub's ``TokenAndPositionEmbedding``
+and its ``ReversibleEmbedding``, whose ``compute_mask`` says "masking is
+done directly in call"), invisible to a symbolic call. A mask the pipeline
+did not know of would not cross the stage boundary, and the layers after
+it would attend to and pool over padding: training silently unlike the
+unsplit model.
+
+So on its first batch each pipeline runs one real forward of that batch's
+first micro-batch (inference mode: no dropout draw, no statistics moved),
+stage after stage, every crossing sent with its whole shape and its mask,
+whatever the graph says; the stages then share what each tensor carried.
+From then on a tensor whose mask differs from what was measured is an error
+naming it (:meth:`keras_pipe.compute.StageCompute._crossing`), never a
+silent drop.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_pipe import compat
+from keras_pipe.compute import Masked
+
+
+def measure(stage, calls, links, pipeline, sample: list | None) -> dict:
+    """One real forward through the pipeline (collective over ``pipeline``): ``{tensor: (shape, mask shape)}``.
+
+    Args:
+        stage: this rank's :class:`~keras_pipe.cut.Stage`.
+        calls: its node calls.
+        links: its :class:`~keras_pipe.links.Links` (``None`` with one stage).
+        pipeline: the pipeline's communicator.
+        sample: first stage: the model inputs of one micro-batch.
+
+    Returns:
+        For every tensor any stage read or computed, its real shape and the
+        shape of its mask (``None`` without), the same on every rank.
+    """
+    values = {}
+    if stage.index == 0:
+        values.update(zip(stage.model_inputs, sample))
+    for crossing in stage.receives:
+        values[crossing.tensor] = links.receive_described(crossing.source, links.tensors[crossing.tensor].dtype)
+    for t, value in list(values.items()):
+        if isinstance(value, Masked):
+            tensor = tf.identity(value.tensor)
+            compat.set_mask(tensor, value.mask)
+            values[t] = tensor
+    for call in calls:
+        values.update(zip(call.outputs, call(values, training=False)))
+    found = {}
+    for t, value in values.items():
+        mask = compat.get_mask(value)
+        found[str(t)] = [list(value.shape), None if mask is None else list(mask.shape)]
+    for crossing in stage.sends:
+        value = values[crossing.tensor]
+        mask = compat.get_mask(value)
+        outgoing = value if mask is None else Masked(value, tf.cast(mask, tf.bool))
+        for destination in crossing.destinations:
+            links.send_described(outgoing, destination)
+    if links is not None:
+        links.comm.flush()
+    merged = {}
+    for part in pipeline.allgather_json(found) if pipeline.size > 1 else [found]:
+        merged.update(part)
+    return {int(t): (tuple(shape), None if mask is None else tuple(mask)) for t, (shape, mask) in merged.items()}
+
+
+def masks_of(graph, measured: dict) -> dict:
+    """Each tensor's mask shape as the graph states shapes: ``None`` where the tensor's dimension varies."""
+    masks = {}
+    for t, tensor in enumerate(graph.tensors):
+        if t not in measured:
+            masks[t] = tensor.mask
+            continue
+        mask = measured[t][1]
+        if mask is None:
+            masks[t] = None
+            continue
+        masks[t] = tuple(
+            None if k == 0 or (k < len(tensor.shape) and tensor.shape[k] is None) else d for k, d in enumerate(mask)
+        )
+    return masks
+
+
+def differences(graph, measured: dict) -> list[str]:
+    """Where real tensors disagree with the symbolic graph: a dtype or a fixed dimension (errors), or a mask."""
+    notes = []
+    for t, (shape, _) in measured.items():
+        tensor = graph.tensors[t]
+        fixed = [d for d in tensor.shape[1:]]
+        if len(shape) != len(tensor.shape) or any(d is not None and d != s for d, s in zip(fixed, shape[1:])):
+            notes.append(f"{tensor.name!r} has shape {shape} on real tensors but {tensor.shape} in the model's graph")
+    return notes

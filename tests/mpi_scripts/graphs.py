@@ -1,0 +1,154 @@
+"""Functional models, pipelined, against the unsplit model on the same weights and data.
+
+Run as ``mpirun -n P python graphs.py [CASE ...]``; prints ``GRAPH OK <case>``
+per rank and case. Cases: ``skip`` (a skip edge over two stages, one Dense
+called on two branches that fall on different stages: tied weights),
+``multi`` (two inputs as a dict, two outputs with a loss each,
+``loss_weights`` and per-output metrics; ``predict`` returns the dict),
+``dynamic`` (a time axis that is ``None`` in the model: batches of lengths
+8, 12 and 16 cross the stages, each length compiled once), ``resnet``
+(keras.applications' ResNet: residual adds across stage boundaries; with one
+micro-batch its BatchNormalization sees the batch the unsplit model sees).
+"""
+
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+from common import RANK, SIZE, assert_close
+
+from keras_pipe import PipelineModel
+
+rng = np.random.default_rng(3)
+
+
+def compare(case, make, compile_args, x, y, fit_args=None, tolerance=(1e-5, 1e-6), **pipeline_args):
+    """Trains the unsplit model and the pipeline from rank 0's weights; compares history, weights, evaluate, predict."""
+    fit_args = dict(dict(batch_size=16, epochs=2, shuffle=False, verbose=0), **(fit_args or {}))
+    keras.utils.set_random_seed(5)
+    reference = make()
+    handed_in = make()
+    handed_in.set_weights(reference.get_weights())
+    reference.compile(**compile_args())
+    data = (x, y) if y is not None or not isinstance(x, tf.data.Dataset) else (x,)
+    expected = reference.fit(*data, **fit_args).history
+    model = PipelineModel.from_model(handed_in, **pipeline_args)
+    model.compile(**compile_args())
+    history = model.fit(*data, **fit_args).history
+    rtol, atol = tolerance
+    assert sorted(history) == sorted(expected), (sorted(history), sorted(expected))
+    for key in expected:
+        assert_close(history[key], expected[key], f"{case} history {key}", rtol, atol)
+    for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
+        assert_close(a, b, f"{case} weight {i}", rtol, atol)
+    evaluate = dict(verbose=0) if isinstance(x, tf.data.Dataset) else dict(batch_size=24, verbose=0)
+    assert_close(
+        model.evaluate(*data, **evaluate), reference.evaluate(*data, **evaluate), f"{case} evaluate", rtol, atol
+    )
+    predicted, wanted = model.predict(x, **evaluate), reference.predict(x, **evaluate)
+    assert type(predicted) is type(wanted), (type(predicted), type(wanted))
+    keras.tree.map_structure(lambda a, b: assert_close(a, b, f"{case} predict", rtol, atol), predicted, wanted)
+    return model
+
+
+def adam(**extra):
+    return lambda: dict(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["sparse_categorical_accuracy"],
+        **extra,
+    )
+
+
+def skip(case):
+    x = rng.normal(size=(64, 12)).astype("float32")
+    y = rng.integers(0, 3, size=64)
+
+    def make():
+        inputs = keras.Input((12,), name="features")
+        a = keras.layers.Dense(16, activation="relu", name="a")(inputs)
+        b = keras.layers.Dense(16, activation="tanh", name="b")(a)
+        c = keras.layers.Dense(16, activation="relu", name="c")(b)
+        shared = keras.layers.Dense(8, name="shared")  # called on two branches
+        joined = keras.layers.Add(name="skip")([a, c])  # a skip edge from the first stage
+        both = keras.layers.Concatenate(name="both")([shared(a), shared(joined)])
+        outputs = keras.layers.Dense(3, activation="softmax", name="head")(both)
+        return keras.Model(inputs, outputs)
+
+    split = {2: ["c"], 3: ["b", "skip"], 4: ["b", "c", "skip"]}.get(SIZE)
+    model = compare(case, make, adam(), x, y, num_microbatches=2, split_before=split)
+    if SIZE > 1:
+        assert "shared" in model.engine.cut.shared, model.engine.cut.shared
+        if SIZE > 2:  # the skip edge goes straight over the stages between
+            assert any(max(c.destinations) > c.source + 1 for c in model.engine.cut.crossings), model.engine.cut
+
+
+def multi(case):
+    x = {"numbers": rng.normal(size=(64, 6)).astype("float32"), "codes": rng.integers(0, 10, size=(64, 3))}
+    y = {"kind": rng.integers(0, 4, size=64), "size": rng.normal(size=(64, 1)).astype("float32")}
+
+    def make():
+        numbers = keras.Input((6,), name="numbers")
+        codes = keras.Input((3,), dtype="int32", name="codes")
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(10, 4, name="embed")(codes))
+        h = keras.layers.Concatenate()([keras.layers.Dense(8, activation="relu", name="d1")(numbers), embedded])
+        h = keras.layers.Dense(16, activation="relu", name="d2")(h)
+        h = keras.layers.Dense(16, activation="relu", name="d3")(h)
+        kind = keras.layers.Dense(4, activation="softmax", name="kind")(h)
+        size = keras.layers.Dense(1, name="size")(h)
+        return keras.Model({"numbers": numbers, "codes": codes}, {"kind": kind, "size": size})
+
+    def two_losses():
+        return dict(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss={"kind": "sparse_categorical_crossentropy", "size": "mse"},
+            loss_weights={"kind": 1.0, "size": 0.25},
+            metrics={"kind": ["sparse_categorical_accuracy"], "size": ["mae"]},
+        )
+
+    compare(case, make, two_losses, x, y, num_microbatches=2)
+
+
+def dynamic(case):
+    def batches():
+        for length in (8, 12, 16, 8, 12, 16):
+            tokens = rng.integers(1, 30, size=(16, length))
+            yield tokens, (tokens[:, 0] % 3)
+
+    data = list(batches())
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(data),
+        output_signature=(tf.TensorSpec((None, None), tf.int64), tf.TensorSpec((None,), tf.int64)),
+    )
+
+    def make():
+        tokens = keras.Input((None,), dtype="int32")
+        h = keras.layers.Embedding(30, 8)(tokens)
+        h = keras.layers.Conv1D(8, 3, padding="same", activation="relu")(h)
+        h = keras.layers.Conv1D(8, 3, padding="same", activation="relu")(h)
+        h = keras.layers.Dense(8, activation="tanh")(h)
+        h = keras.layers.GlobalMaxPooling1D()(h)
+        return keras.Model(tokens, keras.layers.Dense(3, activation="softmax")(h))
+
+    compare(case, make, adam(), dataset, None, fit_args=dict(batch_size=None), num_microbatches=2)
+
+
+def resnet(case):
+    x = rng.normal(size=(16, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=16)
+
+    def make():
+        return keras.applications.ResNet50V2(weights=None, input_shape=(32, 32, 3), classes=10)
+
+    def sgd():
+        return dict(optimizer=keras.optimizers.SGD(1e-3), loss="sparse_categorical_crossentropy", jit_compile=False)
+
+    # One micro-batch: batch normalization's statistics are the whole batch's, as in the unsplit model.
+    compare(case, make, sgd, x, y, fit_args=dict(batch_size=8, epochs=1), tolerance=(1e-4, 1e-5), num_microbatches=1)
+
+
+CASES = {"skip": skip, "multi": multi, "dynamic": dynamic, "resnet": resnet}
+for name in sys.argv[1:] or list(CASES):
+    CASES[name](name)
+    print(f"GRAPH OK {name} rank {RANK}", flush=True)

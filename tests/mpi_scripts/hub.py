@@ -1,0 +1,205 @@
+"""keras_hub's layers and models, pipelined, against the unsplit model on the same weights and data.
+
+Run as ``mpirun -n P python hub.py [CASE ...]``; prints ``HUB OK <case>`` per
+rank and case. Every model is built from constructor arguments (nothing is
+downloaded). Cases:
+
+``encoder``: a classifier of ``TokenAndPositionEmbedding(mask_zero=True)``,
+two ``TransformerEncoder``s, pooling and a ``Dense``, written as a list of
+layers: the padding mask is attached inside ``call()`` on real tensors only,
+and must still reach every block and the pooling. ``decoder``: a language
+model of the same embedding, ``TransformerDecoder``s and a ``Dense`` head:
+its per-token output carries the mask, so the loss is a mean over the whole
+batch's real tokens. ``gpt2``: ``GPT2CausalLM`` (its token embedding called
+again as the head: one weight on the first and the last stage; its
+``padding_mask`` input read by every block). ``bert``: a classifier on
+``BertBackbone``'s ``pooled_output``, and a model that trains both of its
+outputs with a loss each.
+"""
+
+import sys
+
+import keras
+import keras_hub
+import numpy as np
+from common import RANK, SIZE, assert_close
+
+from keras_pipe import PipelineModel
+
+VOCAB, LENGTH, DIM = 40, 12, 16
+rng = np.random.default_rng(7)
+lengths = rng.integers(3, LENGTH + 1, size=48)
+tokens = rng.integers(1, VOCAB, size=(48, LENGTH))
+tokens[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0  # padded at the end, each row to its own length
+classes = (tokens[:, 0] % 3).astype("int32")
+fit_args = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+
+def compare(case, make, compile_args, x, y, sample_weight=None, tolerance=(2e-5, 2e-6), **pipeline_args):
+    """Trains the unsplit model and the pipeline from the same initial weights; compares everything."""
+    keras.utils.set_random_seed(11)
+    reference = make()
+    keras.utils.set_random_seed(11)
+    handed_in = make()
+    handed_in.set_weights(reference.get_weights())
+    reference.compile(**compile_args())
+    expected = reference.fit(x, y, sample_weight=sample_weight, **fit_args).history
+    if isinstance(handed_in, keras.Sequential):
+        model = PipelineModel.from_sequential(handed_in, **pipeline_args)
+    else:
+        model = PipelineModel.from_model(handed_in, **pipeline_args)
+    model.compile(**compile_args())
+    history = model.fit(x, y, sample_weight=sample_weight, **fit_args).history
+    rtol, atol = tolerance
+    for key in expected:
+        assert_close(history[key], expected[key], f"{case} history {key}", rtol, atol)
+    for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
+        assert_close(a, b, f"{case} weight {i}", rtol, atol)
+    assert_close(
+        model.evaluate(x, y, sample_weight=sample_weight, batch_size=24, verbose=0),
+        reference.evaluate(x, y, sample_weight=sample_weight, batch_size=24, verbose=0),
+        f"{case} evaluate",
+        rtol,
+        atol,
+    )
+    predicted = model.predict(x, batch_size=24, verbose=0)
+    keras.tree.map_structure(
+        lambda a, b: assert_close(a, b, f"{case} predict", rtol, atol),
+        predicted,
+        reference.predict(x, batch_size=24, verbose=0),
+    )
+    return model
+
+
+def adamw():
+    return dict(
+        optimizer=keras.optimizers.AdamW(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["sparse_categorical_accuracy"],
+    )
+
+
+def encoder(case):
+    def make():
+        return keras.Sequential(
+            [
+                keras.Input((LENGTH,), dtype="int32"),
+                keras_hub.layers.TokenAndPositionEmbedding(VOCAB, LENGTH, DIM, mask_zero=True),
+                keras_hub.layers.TransformerEncoder(32, 2),
+                keras_hub.layers.TransformerEncoder(32, 2),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+
+    model = compare(case, make, adamw, tokens, classes, num_microbatches=4)
+    if SIZE > 1:  # the mask measured on real tensors crosses every boundary after the embedding
+        crossing = [t for t in model.engine.cut.crossings if t.source == 0][0]
+        assert model.engine.masks[crossing.tensor] is not None, model.engine.masks
+
+
+def decoder(case):
+    def make():
+        return keras.Sequential(
+            [
+                keras.Input((LENGTH,), dtype="int32"),
+                keras_hub.layers.TokenAndPositionEmbedding(VOCAB, LENGTH, DIM, mask_zero=True),
+                *[keras_hub.layers.TransformerDecoder(32, 2) for _ in range(3)],
+                keras.layers.Dense(VOCAB),
+            ]
+        )
+
+    def lm():
+        return dict(
+            optimizer=keras.optimizers.AdamW(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["sparse_categorical_accuracy"],
+        )
+
+    targets = np.concatenate([tokens[:, 1:], np.zeros((48, 1), tokens.dtype)], axis=1)
+    compare(case, make, lm, tokens, targets, num_microbatches=4)
+
+
+def gpt2(case):
+    def make():
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=VOCAB,
+            num_layers=4,
+            num_heads=2,
+            hidden_dim=DIM,
+            intermediate_dim=32,
+            dropout=0.0,
+            max_sequence_length=LENGTH,
+        )
+        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+    def lm():
+        return dict(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=["sparse_categorical_accuracy"],
+        )
+
+    padding = (tokens != 0).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": padding}
+    targets = np.concatenate([tokens[:, 1:], np.zeros((48, 1), tokens.dtype)], axis=1)
+    weights = np.concatenate([padding[:, 1:], np.zeros((48, 1), "int32")], axis=1).astype("float32")
+    model = compare(case, make, lm, x, targets, sample_weight=weights, num_microbatches=4)
+    if SIZE > 1:
+        assert "token_embedding" in model.engine.cut.shared, model.engine.cut.shared  # tied: first and last stage
+
+
+def bert(case):
+    def backbone():
+        return keras_hub.models.BertBackbone(
+            vocabulary_size=VOCAB,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=DIM,
+            intermediate_dim=32,
+            dropout=0.0,
+            max_sequence_length=LENGTH,
+        )
+
+    def classifier():
+        inner = backbone()
+        logits = keras.layers.Dense(3, name="classes")(inner.output["pooled_output"])
+        return keras.Model(inner.input, logits)
+
+    def both():
+        inner = backbone()
+        outputs = {
+            "classes": keras.layers.Dense(3, name="classes")(inner.output["pooled_output"]),
+            "tokens": keras.layers.Dense(VOCAB, name="tokens")(inner.output["sequence_output"]),
+        }
+        return keras.Model(inner.input, outputs)
+
+    padding = (tokens != 0).astype("int32")
+    x = {"token_ids": tokens, "segment_ids": np.zeros_like(tokens), "padding_mask": padding}
+
+    def one_loss():
+        return dict(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["sparse_categorical_accuracy"],
+        )
+
+    def two_losses():
+        return dict(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss={
+                "classes": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                "tokens": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            },
+            loss_weights={"classes": 1.0, "tokens": 0.5},
+            metrics={"classes": ["sparse_categorical_accuracy"]},
+        )
+
+    compare(case, classifier, one_loss, x, classes, num_microbatches=2)
+    compare(case, both, two_losses, x, {"classes": classes, "tokens": tokens}, num_microbatches=2)
+
+
+CASES = {"encoder": encoder, "decoder": decoder, "gpt2": gpt2, "bert": bert}
+for name in sys.argv[1:] or list(CASES):
+    CASES[name](name)
+    print(f"HUB OK {name} rank {RANK}", flush=True)

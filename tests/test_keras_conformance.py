@@ -1,0 +1,75 @@
+"""The installed Keras' own Sequential and trainer tests, against PipelineModel, on 1 rank and under mpirun -n 2.
+
+The tests are Keras' (``keras/src/models/sequential_test.py`` and
+``keras/src/trainers/trainer_test.py`` from the installed wheel), run through
+the plugin ``tests/keras_conformance.py``, which substitutes the pipeline
+for ``Sequential`` and the trainer tests' module-level models. Each test not
+in ``keras_conformance_expected.txt`` must pass, and each that is must fail
+(on one rank, a strict ``xfail``): the list is what a pipeline cannot honour,
+each with its reason.
+"""
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import keras
+import pytest
+from mpi import ROOT, mpirun_path
+
+TESTS = Path(__file__).parent
+KERAS_TESTS = [
+    Path(keras.__file__).parent / "src" / "models" / "sequential_test.py",
+    Path(keras.__file__).parent / "src" / "trainers" / "trainer_test.py",
+]
+
+
+def run_keras_tests(nprocs: int, directory: Path, timeout: float) -> list[dict]:
+    """Runs Keras' tests with the plugin; each rank's results as ``{test: outcome}``."""
+    report = directory / ("rank-RANK.xml" if nprocs > 1 else "rank-0.xml")
+    command = [sys.executable, "-m", "pytest", "-p", "keras_conformance", "-q", "-p", "no:cacheprovider"]
+    command += ["-o", "junit_family=xunit1", "--junitxml", str(report), *map(str, KERAS_TESTS)]
+    if nprocs > 1:
+        command = [mpirun_path(), "-n", str(nprocs), *command]
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1", KERAS_BACKEND="tensorflow")
+    environment["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), environment.get("PYTHONPATH", "")])
+    process = subprocess.run(
+        command, cwd=TESTS, env=environment, capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
+    results = []
+    for rank in range(nprocs):
+        path = directory / f"rank-{rank}.xml"
+        assert path.exists(), process.stdout[-6000:] + process.stderr[-6000:]
+        results.append(_outcomes(path))
+    return results, process.stdout + process.stderr
+
+
+def _outcomes(path: Path) -> dict:
+    outcomes = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        module = Path(case.get("file") or case.get("classname")).name
+        name = f"{module}::{case.get('classname').split('.')[-1]}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif case.find("skipped") is not None:
+            skipped = case.find("skipped")
+            outcome = "xfailed" if "xfail" in (skipped.get("type", "") + skipped.get("message", "")) else "skipped"
+        else:
+            outcome = "passed"
+        outcomes[name.replace("sequential_test.py", "sequential_test.py")] = outcome
+    return outcomes
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_keras_own_tests_pass_against_the_pipeline(nprocs, tmp_path):
+    results, output = run_keras_tests(nprocs, tmp_path, timeout=900)
+    first = results[0]
+    failed = sorted(name for name, outcome in first.items() if outcome == "failed")
+    assert not failed, f"{len(failed)} of Keras' own tests failed on {nprocs} rank(s): {failed}\n{output[-8000:]}"
+    for rank, other in enumerate(results[1:], start=1):
+        assert other == first, f"rank {rank} saw other results than rank 0"
+    passed = sum(outcome == "passed" for outcome in first.values())
+    print(f"{passed} of {len(first)} of Keras' tests passed on {nprocs} rank(s)")
+    assert passed >= {1: 140, 2: 132}[nprocs], (passed, len(first))
