@@ -48,6 +48,7 @@ class ModelBuilding:
                     "keras.Input can only be the first item of its layer list."
                 )
             self._pipeline_input = keras.tree.map_structure(lambda t: (tuple(t.shape), str(t.dtype)), layer)
+            object.__setattr__(self, "_input_tensor", layer)  # model.inputs is this very tensor, as in Sequential
             return
         if not isinstance(layer, keras.layers.Layer):
             raise PipelineConfigError(
@@ -163,7 +164,10 @@ class ModelBuilding:
             raise PipelineConfigError(
                 "the input shape is unknown; start the layer list with keras.Input(shape) or call fit()."
             )
-        inputs = map_specs(lambda shape, dtype: keras.Input(batch_shape=shape, dtype=dtype), spec)
+        if self._input_tensor is not None and spec is self._pipeline_input:
+            inputs = self._input_tensor
+        else:
+            inputs = map_specs(input_of, spec)
         object.__setattr__(self, "_source", graphs.chain_model(self._pipeline_layers, inputs, name=self.name))
         self._pipeline_input = spec
 
@@ -203,7 +207,11 @@ class ModelBuilding:
             self._build_graph(spec)
         rows = getattr(self, "_probe_rows", None) or 32
         own = self.engine.build(graphs.from_model(self._source), rows, release=release)
-        self._stage_layers = list(own)  # tracked: these are this rank's weights
+        self._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
+        self._stage_layers.extend(own)
+        if not self.trainable:  # model.trainable = False before the layers joined: they are frozen too
+            for layer in own:
+                layer.trainable = False
         self.built = True
         if release:
             _weights.copy_between_holders(self.engine)
@@ -212,7 +220,7 @@ class ModelBuilding:
     def _unbuild(self) -> None:
         """One rank, the layers changed: forget the cut (the layers keep their weights)."""
         self.engine.reset()
-        self._stage_layers = []
+        self._stage_layers.clear()
         self.built = False
 
     def _build_for(self, x) -> None:
@@ -375,7 +383,14 @@ def _is_spec(spec) -> bool:
 
 
 def _dtype(array) -> str:
+    """An input's dtype, with ``:sparse`` or ``:ragged`` after it for such tensors (as ``keras.Input`` takes them)."""
     dtype = getattr(array, "dtype", None)
-    if dtype is None:
-        return str(np.asarray(array).dtype)
-    return dtype.name if hasattr(dtype, "name") else str(dtype)
+    name = str(np.asarray(array).dtype) if dtype is None else (dtype.name if hasattr(dtype, "name") else str(dtype))
+    kind = type(array).__name__
+    return name + (":sparse" if kind == "SparseTensor" else ":ragged" if kind == "RaggedTensor" else "")
+
+
+def input_of(shape, dtype: str):
+    """A ``keras.Input`` of ``shape`` and ``dtype`` (see :func:`_dtype` for a sparse or ragged one)."""
+    name, _, kind = dtype.partition(":")
+    return keras.Input(batch_shape=shape, dtype=name, sparse=kind == "sparse", ragged=kind == "ragged")

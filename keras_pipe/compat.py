@@ -228,6 +228,36 @@ def executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
+def check_input_shapes(functional, x) -> None:
+    """Raises, as ``Functional._adjust_input_rank`` does, for a batch whose inputs do not fit the model's (Keras 3.15).
+
+    Why: only the first stage converts a batch (``standardize_inputs``), so
+    only it would find out; every rank checks the shapes alone (no
+    conversion), so that every rank raises the same error.
+    """
+    struct = functional._inputs_struct
+    if isinstance(x, dict) and not isinstance(struct, dict) and all(t.name in x for t in functional.inputs):
+        flat = [x[t.name] for t in functional.inputs]
+    else:
+        flat = keras.tree.flatten(x)
+    for given, ref in zip(flat, functional.inputs):
+        if given is None or not hasattr(given, "shape"):
+            continue
+        shape, ref_shape = tuple(given.shape), tuple(ref.shape)
+        if len(shape) == len(ref_shape):
+            fixed = [(a, b) for a, b in zip(shape[1:], ref_shape[1:]) if a is not None and b is not None]
+            if all(a == b for a, b in fixed):
+                continue
+        elif len(shape) == len(ref_shape) + 1 and shape[-1] == 1:
+            continue
+        elif len(shape) == len(ref_shape) - 1 and ref_shape[-1] == 1:
+            continue
+        raise ValueError(
+            f"Invalid input shape for input with name '{ref.name}': expected shape {ref_shape}, but the input has "
+            f"incompatible shape {shape} (a shape mismatch between the data and the model's input)."
+        )
+
+
 def unallocated(variable) -> bool:
     """Whether a Keras variable has a shape but no value (created in an unallocated scope, or released)."""
     return getattr(variable, "_value", None) is None
@@ -237,21 +267,33 @@ def release_variable(variable) -> None:
     """Frees a Keras variable's value, keeping its shape and dtype (``KerasVariable._value``, Keras 3.0-3.15).
 
     Why: a model handed in built has every stage's weights on every rank;
-    each rank frees those of the stages it does not run. Reading it again on
-    this rank is an error that says so.
+    each rank frees those of the stages it does not run (and never allocates
+    those of a model built here). Reading it on this rank is an error that
+    says so.
     """
-    if unallocated(variable):
-        return
     path = variable.path
+    if getattr(variable, "_keras_pipe_initializer", False) is not False:
+        return  # released before
 
     def elsewhere(shape, dtype=None):
         raise RuntimeError(
-            f"{path} belongs to another stage of the pipeline; this rank released it (model.get_weights() "
+            f"{path} belongs to another stage of the pipeline; this rank does not hold it (model.get_weights() "
             "gathers every stage's weights)."
         )
 
+    # An unallocated variable would give its initializer's values when read: it raises instead, and
+    # keeps the initializer in case this rank comes to hold it (a one-rank model rebuilt).
+    variable._keras_pipe_initializer = variable._initializer if unallocated(variable) else None
     variable._value = None
     variable._initializer = elsewhere
+
+
+def restore_initializer(variable) -> None:
+    """Undoes :func:`release_variable` of a variable never allocated here, so that it can be allocated."""
+    initializer = getattr(variable, "_keras_pipe_initializer", False)
+    if initializer is not False:
+        variable._initializer = initializer
+        del variable._keras_pipe_initializer
 
 
 # -- losses ------------------------------------------------------------------------------
@@ -323,6 +365,23 @@ def unallocated_scope():
             yield
     finally:
         global_state.set_global_attribute("uninitialized_variables", before)
+
+
+@contextlib.contextmanager
+def allocating_scope():
+    """Leaves :func:`unallocated_scope` for a moment (Keras' ``StatelessScope`` stack, Keras 3.0-3.15).
+
+    Why: a layer whose output shape Keras cannot infer symbolically is
+    called once on a real tensor, which no stateless scope may see.
+    """
+    from keras.src.backend.common import global_state
+
+    scope = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
 
 
 def check() -> None:

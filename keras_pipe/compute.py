@@ -87,16 +87,11 @@ class StageCompute(StageUpdate):
         self.gradient_inputs = [c.tensor for c in stage.receives if c.gradient]
         self.gradient_outputs = [c.tensor for c in stage.sends if c.gradient]
         self.num_sends = len(stage.sends)
-        self.trainable_variables = _unique(v for layer in self.layers for v in layer.trainable_weights)
         self._programs: dict = {}
         self._checks: list | None = None  # while a checked program traces: (note, [min, max]) to verify
         self._kept: dict = {}  # micro-batch -> what its backward needs
         self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
-        self.gradients = GradientSum(self.trainable_variables, self._program)
         self.regularized_layers = list(layers) if regularized is None else list(regularized)
-        self.has_weight_regularizers = any(
-            v.regularizer is not None for layer in self.regularized_layers for v in layer.trainable_weights
-        )
         # what a recomputed forward reads (the random generators' state) and updates (the rest)
         self._generator_states = _unique(
             compat.variable_handle(g.state) for layer in self.layers for g in compat.seed_generators(layer)
@@ -115,6 +110,15 @@ class StageCompute(StageUpdate):
     def set_masks(self, masks: dict) -> None:
         """The Keras mask each input and output carries (``None``: none), as measured on real tensors."""
         self.masks = {t: masks.get(t) for t in set(self.stage.inputs) | set(self.stage.outputs)}
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """What follows from the layers, their trainable flags and the masks: variables, split, steps."""
+        self.trainable_variables = _unique(v for layer in self.layers for v in layer.trainable_weights)
+        self.gradients = GradientSum(self.trainable_variables, self._program)
+        self.has_weight_regularizers = any(
+            v.regularizer is not None for layer in self.regularized_layers for v in layer.trainable_weights
+        )
         reasons = [r for r in map(replay.why_not_replayable, self.calls) if r]
         if any(m is not None for m in self.masks.values()):
             reasons.insert(0, "a Keras mask travels into or out of the stage")
@@ -137,7 +141,7 @@ class StageCompute(StageUpdate):
         other masks than the unsplit model's), ``False`` (never).
         """
         self.jit, self.eager = jit, eager
-        self._programs.clear()
+        self._prepare()  # (after model.trainable = False, say: Keras asks for compile() again)
 
     @property
     def draws_random(self) -> bool:

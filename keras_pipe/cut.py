@@ -185,12 +185,16 @@ class Cut:
 def cut(graph: Graph, sizes: Sequence[int]) -> Cut:
     """Cuts ``graph`` into stages of ``sizes[s]`` consecutive nodes.
 
+    A stage may be empty (a model with fewer nodes than ranks): it reads and
+    sends what its place asks (the first stage the model inputs, the last
+    the model outputs, for the loss), and runs nothing.
+
     >>> g = chain_graph(3)
     >>> c = cut(g, [2, 1])
     >>> [x.tensor for x in c.crossings], c.stages[1].inputs, c.stages[1].outputs
     ([2], (2,), (3,))
     """
-    sizes = check_sizes(sizes, len(graph.nodes))
+    sizes = check_sizes(sizes, len(graph.nodes), empty=True)
     bounds, start = [], 0
     for size in sizes:
         bounds.append(range(start, start + size))
@@ -232,7 +236,7 @@ def cut(graph: Graph, sizes: Sequence[int]) -> Cut:
     return Cut(graph, tuple(sizes), tuple(stages), tuple(crossings), shared)
 
 
-def check_sizes(sizes: Sequence[int], num_nodes: int, num_stages: int | None = None) -> list[int]:
+def check_sizes(sizes: Sequence[int], num_nodes: int, num_stages: int | None = None, empty: bool = False) -> list[int]:
     """Validates nodes per stage (``balance``): one entry per stage, positive integers covering every node.
 
     >>> check_sizes((3, 4), 7, 2)
@@ -249,7 +253,7 @@ def check_sizes(sizes: Sequence[int], num_nodes: int, num_stages: int | None = N
             f"balance {sizes} has {len(sizes)} stages but the job has {num_stages} ranks; "
             f"give one entry per rank (mpirun -n {len(sizes)}) or use balance=None."
         )
-    if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+    if any(not isinstance(b, int) or isinstance(b, bool) or b < (0 if empty else 1) for b in sizes):
         raise PipelineConfigError(f"balance {sizes} must hold positive integers: every stage needs a layer.")
     if sum(sizes) != num_nodes:
         raise PipelineConfigError(
@@ -286,23 +290,21 @@ def sizes_of_layers(graph: Graph, balance: Sequence[int], num_stages: int) -> li
     return check_sizes(balance, len(graph.nodes), num_stages)
 
 
-def check_num_stages(num_nodes: int, num_stages: int) -> None:
-    """Raises unless every stage can get at least one node."""
-    if num_stages > num_nodes:
-        raise PipelineConfigError(
-            f"{num_stages} ranks but the model has only {num_nodes} layers; every stage needs at least "
-            f"one layer. Run with at most {num_nodes} ranks (mpirun -n {num_nodes}) or add layers."
-        )
-
-
 def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
     """Contiguous sizes, each at least 1, minimising the largest stage's summed cost.
 
+    With fewer nodes than stages, one node per stage and the last stages
+    empty (they receive the model's outputs and compute the loss; see
+    :func:`cut`).
+
     >>> balance_by_cost([1, 1, 1, 1], 2)
     [2, 2]
+    >>> balance_by_cost([5.0], 3)
+    [1, 0, 0]
     """
     n = len(costs)
-    check_num_stages(n, num_stages)
+    if n < num_stages:
+        return [1] * n + [0] * (num_stages - n)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)

@@ -29,7 +29,7 @@ from keras_pipe.compute import Masked, StageCompute, check_recompute
 from keras_pipe.consistency import StepAgreement
 from keras_pipe.devices import check_all_ranks, try_configure_gpus
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.executor import Batch, Executor
+from keras_pipe.executor import Batch, Executor, rows
 from keras_pipe.links import Links
 from keras_pipe.logs import LogSharing
 from keras_pipe.losses import divisor_shares
@@ -126,7 +126,14 @@ class Engine:
         plain = model_graph.plain
         if not plain.nodes:
             raise PipelineConfigError("the PipelineModel has no layers; pass a list of layers.")
-        cuts.check_num_stages(len(plain.nodes), self.num_stages)
+        if len(plain.nodes) < self.num_stages and self.world.rank == 0:
+            warnings.warn(
+                f"{self.num_stages} stages but the model has only {len(plain.nodes)} layers: the last "
+                f"{self.num_stages - len(plain.nodes)} stages hold none (the last receives the outputs and computes "
+                f"the loss) and their ranks idle. Run with at most {len(plain.nodes)} ranks "
+                f"(mpirun -n {len(plain.nodes)}) or add layers.",
+                stacklevel=4,
+            )
         if self.split_before is not None:
             sizes = cuts.sizes_before(plain, self.split_before, self.num_stages)
         elif self.balance_option is None:
@@ -194,8 +201,8 @@ class Engine:
             return
         sample = None
         if self.is_first:
-            rows = microbatch_bounds(int(x[0].shape[0]), self.num_microbatches)[0][1]
-            sample = [t[:rows] for t in x]
+            first = microbatch_bounds(int(x[0].shape[0]), self.num_microbatches)[0][1]
+            sample = [rows(t, 0, first) for t in x]
         self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
         measured = probe.measure(self.compute.stage, self.compute.calls, self.links, self.pipeline, sample)
         problems = probe.differences(self.cut.graph, measured)

@@ -323,7 +323,7 @@ class Executor:
         if self.is_first:
             if (start, stop) == (0, batch.batch_size):
                 return list(batch.x)
-            return [x[start:stop] for x in batch.x]
+            return [rows(x, start, stop) for x in batch.x]
         began = time.perf_counter()
         received = self.links.receive_activations(stop - start)
         self._span("receive activation", i, began)
@@ -367,7 +367,16 @@ def _rows(value, start: int, stop: int):
     """Rows ``start:stop`` of every array of a structure (labels, sample weights), ``None`` kept."""
     if value is None:
         return None
-    return keras.tree.map_structure(lambda a: a[start:stop], value)
+    return keras.tree.map_structure(lambda a: rows(a, start, stop), value)
+
+
+def rows(value, start: int, stop: int):
+    """Rows ``start:stop`` of an array or tensor, a ``tf.SparseTensor``'s too."""
+    if isinstance(value, tf.SparseTensor):
+        size = tf.concat([[stop - start], tf.shape(value, out_type=tf.int64)[1:]], 0)
+        begin = tf.concat([[start], tf.zeros_like(size[1:])], 0)
+        return tf.sparse.slice(value, begin, size)
+    return value[start:stop]
 
 
 def _needs_whole_model(batch: Batch) -> bool:

@@ -101,12 +101,66 @@ def chain_model(layers, input_tensor, name: str | None = None) -> keras.Model:
         for index, layer in enumerate(layers):
             try:
                 x = layer(x)
+            except NotImplementedError:
+                # Keras cannot infer the layer's output symbolically (as Sequential, which then calls
+                # it on real tensors): its output spec is measured on a real one
+                x = Measured(layer, x)(x)
             except Exception as error:  # noqa: BLE001 - re-raised with context
+                _refuse_positional(layer, error)
                 raise PipelineConfigError(
                     f"layer {index} ({layer.name}, {type(layer).__name__}) cannot be called on an input of "
                     f"shape {_shapes(x)} and dtype {_dtype(x)}: {error}"
                 ) from error
         return keras.Model(input_tensor, x, name=name)
+
+
+class Measured(keras.layers.Layer):
+    """A layer whose output shape Keras cannot infer symbolically, with the one measured on a real input.
+
+    Called once on zeros of its input's shape (a varying dimension as 1); a
+    layer that holds weights cannot be measured so (they do not exist yet)
+    and is refused, as keras_pipe must know every stage's shapes.
+    """
+
+    def __init__(self, layer, like, **kwargs):
+        super().__init__(name=f"{layer.name}_measured", **kwargs)
+        self.layer = layer
+        sample = keras.tree.map_structure(
+            lambda t: keras.ops.zeros(tuple(d or 1 for d in t.shape), dtype=t.dtype), like
+        )
+        with compat.allocating_scope():
+            out = layer(sample)
+        if layer.weights:
+            raise PipelineConfigError(
+                f"layer {layer.name!r} ({type(layer).__name__}) cannot infer its output shape symbolically and holds "
+                "weights; implement its compute_output_shape()."
+            )
+        self._structure = out
+        self._spec = [(tuple(t.shape[1:]), keras.backend.standardize_dtype(t.dtype)) for t in keras.tree.flatten(out)]
+
+    def compute_output_spec(self, inputs, *args, **kwargs):
+        rows = keras.tree.flatten(inputs)[0].shape[0]
+        flat = [keras.KerasTensor((rows, *shape), dtype) for shape, dtype in self._spec]
+        return keras.tree.pack_sequence_as(self._structure, flat)
+
+    def call(self, inputs, *args, **kwargs):
+        return self.layer(inputs, *args, **kwargs)
+
+
+def _refuse_positional(layer, error) -> None:
+    """``keras.Sequential``'s error for a layer whose ``call`` takes more than one required positional argument."""
+    if not isinstance(error, TypeError):
+        return
+    import inspect
+
+    parameters = inspect.signature(layer.call).parameters.values()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in positional if p.default is p.empty]
+    if len(required) > 1:
+        raise PipelineConfigError(
+            "Layers of a PipelineModel's layer list can only have a single required positional argument, the input "
+            f"tensor. Layer {type(layer).__name__} has multiple required positional arguments: {required}"
+        ) from error
 
 
 def from_model(model: keras.Model) -> ModelGraph:
@@ -261,7 +315,8 @@ def allocate(layers) -> None:
     """Gives memory (and initial values) to the unallocated variables of ``layers`` (this rank's own)."""
     for layer in layers:
         for variable in layer.variables:
-            if compat.unallocated(variable):
+            compat.restore_initializer(variable)
+            if compat.unallocated(variable) and variable._initializer is not None:
                 variable._deferred_initialize()
 
 

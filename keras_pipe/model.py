@@ -142,6 +142,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         object.__setattr__(self, "_logs", ModelLogs(self))
         object.__setattr__(self, "_loss", None)
         object.__setattr__(self, "_from_graph", False)
+        object.__setattr__(self, "_input_tensor", None)  # the user's keras.Input, kept as given
+        self._stage_layers = []  # tracked by Keras: this rank's layers, hence its weights (see building)
         self._pipeline_input = None
         self._pipeline_logs = None
         self._probe_rows = None
@@ -156,6 +158,23 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             self.add(item, rebuild=False)
         if layers:
             self._follow_layers()
+
+    @property
+    def trainable(self):
+        return super().trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        # Keras sets the flag on the layers it tracks (this rank's stage): every rank's copy of every
+        # layer takes it, so that the ranks still agree on the model (and its later stages, once built).
+        keras.Model.trainable.fset(self, value)
+        source = getattr(self, "_source", None)
+        for layer in getattr(self, "_pipeline_layers", None) or (source.layers if source is not None else []):
+            layer.trainable = bool(value)
+
+    def _lock_state(self):
+        # As Functional's: a pipeline's tracked stage layers change when a one-rank model is rebuilt.
+        pass
 
     def _use_model(self, model) -> None:
         object.__setattr__(self, "_source", model)
@@ -239,8 +258,14 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         return keras.tree.pack_sequence_as(self.engine.graph.output_structure(), flat)
 
     def _inputs(self, x) -> list | None:
-        """The first stage's model inputs, flat, as Keras' Functional model converts them; ``None`` elsewhere."""
+        """The first stage's model inputs, flat, as Keras' Functional model converts them; ``None`` elsewhere.
+
+        Every rank checks the batch's shapes against the model's inputs (no
+        conversion), so that data of the wrong shape is the same error on
+        every rank, not the first stage's alone.
+        """
         self._build_for(x)
+        compat.check_input_shapes(self._source, x)
         if not self.engine.is_first:
             return None
         return compat.standardize_inputs(self._source, x)
@@ -255,6 +280,13 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         flat_x = self._inputs(x)
         y = _as_numpy(y)
         sample_weight = _as_numpy(sample_weight)
+        if engine.num_stages > 1 and any(
+            isinstance(a, (tf.RaggedTensor, tf.SparseTensor)) for a in keras.tree.flatten((y, sample_weight))
+        ):  # (every rank was given the same kind of data)
+            raise PipelineConfigError(
+                "ragged or sparse labels cannot travel from the first stage, which pairs them with the inputs, to the "
+                "last, which computes the loss: give dense labels (padded, with sample weights), or train on one rank."
+            )
         y, sample_weight = engine.exchange_targets(y, sample_weight, batch_size)
         if phase == "train" and self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
@@ -419,7 +451,13 @@ def summary_lines(engine) -> list[str]:
 
 
 def _as_numpy(value):
-    """Labels or sample weights as numpy arrays, in their structure."""
+    """Labels or sample weights as numpy arrays, in their structure (sparse and ragged tensors as they are)."""
     if value is None:
         return None
-    return keras.tree.map_structure(lambda a: None if a is None else np.asarray(a), value)
+
+    def convert(array):
+        if array is None or isinstance(array, (tf.SparseTensor, tf.RaggedTensor)):
+            return array
+        return np.asarray(array)
+
+    return keras.tree.map_structure(convert, value)

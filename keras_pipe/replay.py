@@ -345,7 +345,11 @@ def weight_gradients(steps: list[Step], inputs: list, grads: list, activity_scal
 
 
 def _concat(parts):
-    return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tf.SparseTensor):  # (a sparse model input)
+        return tf.sparse.concat(0, parts)
+    return tf.concat(parts, axis=0)
 
 
 def _dot(y, g):

@@ -340,21 +340,18 @@ class SavingMethods:
 
         config = dict(config)
         accepted = inspect.signature(cls.__init__).parameters
-        with keras.saving.custom_object_scope(custom_objects or {}):
-            layers = [keras.saving.deserialize_keras_object(c) for c in config.pop("layers", [])]
-            source = config.pop("model", None)
-            source = keras.saving.deserialize_keras_object(source) if source is not None else None
+        layers = [keras.saving.deserialize_keras_object(c, custom_objects) for c in config.pop("layers", [])]
+        source = config.pop("model", None)
+        source = keras.saving.deserialize_keras_object(source, custom_objects) if source is not None else None
         spec = config.pop("input", None)
         kwargs = {k: v for k, v in config.items() if k in accepted}
         if source is not None:
             return cls.from_model(source, **kwargs)
         items = []
         if spec is not None:
-            from keras_pipe.building import map_specs
+            from keras_pipe.building import input_of, map_specs
 
-            items.append(
-                map_specs(lambda shape, dtype: keras.Input(batch_shape=shape, dtype=dtype), _tuple_specs(spec))
-            )
+            items.append(map_specs(input_of, _tuple_specs(spec)))
         return cls(items + layers, **kwargs) if items or layers else cls(**kwargs)
 
     @collective

@@ -144,7 +144,8 @@ def _substitute() -> None:
         layer_class = _layer_of(originals[name], trainer_tests)
 
         def factory(*args, **kwargs):
-            return PipelineModel([layer_class(*args, **kwargs), *_identities()])
+            # (a dtype policy is the model's too: compile wraps a mixed_float16 model's optimizer)
+            return PipelineModel([layer_class(*args, **kwargs), *_identities()], dtype=kwargs.get("dtype"))
 
         return factory
 

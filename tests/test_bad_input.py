@@ -10,7 +10,6 @@ EXPECTED = {
     "data size differs": 'x: ranks [0, 2, 3]: {"shape": [256, 12]}; ranks [1]: {"shape": [200, 12]}',
     "num_microbatches differs": "num_microbatches: ranks [0]: 2; ranks [1, 2, 3]: 4",
     "fewer batches on one rank": "rank 2: train, call 1, step 5, no more data",
-    "more ranks than layers": "4 ranks but the model has only 3 layers",
     "balance does not cover the layers": "balance [1, 1, 1, 1] covers 4 layers but the model has 6",
     "num_microbatches < 1": "num_microbatches=0: it must be a positive integer",
     "num_stages does not divide the ranks": "num_stages=3 does not divide the 4 ranks of the job into whole "

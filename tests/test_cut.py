@@ -8,7 +8,6 @@ from keras_pipe.cut import (
     Tensor,
     balance_by_cost,
     chain_graph,
-    check_num_stages,
     check_sizes,
     cut,
     describe,
@@ -88,6 +87,14 @@ def test_a_graph_out_of_order_is_refused():
         Graph(tensors, (Node("b", (1,), (2,)), Node("a", (0,), (1,))), (0,), (2,))
 
 
+def test_a_model_with_fewer_nodes_than_stages_leaves_the_last_stages_empty():
+    c = cut(chain_graph(2), balance_by_cost([1, 1], 4))
+    assert [s.nodes for s in c.stages] == [(0,), (1,), (), ()]
+    assert {x.tensor: (x.source, x.destinations) for x in c.crossings} == {1: (0, (1,)), 2: (1, (3,))}
+    assert c.stages[3].inputs == (2,) and c.stages[3].outputs == (2,)  # the loss, on the last stage
+    assert c.stages[2].inputs == () and c.stages[2].outputs == ()
+
+
 def test_dynamic_dimensions_are_known():
     assert Tensor("x", (None, None), "int32").dynamic
     assert not Tensor("x", (None, 8), "int32").dynamic
@@ -107,8 +114,6 @@ def test_sizes_must_cover_every_node():
         check_sizes([1, 1, 5], 7, 2)
     with pytest.raises(PipelineConfigError, match="positive integers"):
         check_sizes([0, 7], 7, 2)
-    with pytest.raises(PipelineConfigError, match="5 ranks but the model has only 3 layers"):
-        check_num_stages(3, 5)
 
 
 def test_split_before_names_the_first_node_of_each_later_stage():

@@ -66,7 +66,6 @@ def short_generator(model):
 
 
 case("fewer batches on one rank", lambda: compiled(layers()), short_generator)
-case("more ranks than layers", lambda: compiled(layers()[:4]), fit)
 case("balance does not cover the layers", lambda: compiled(layers(), balance=[1, 1, 1, 1]), fit)
 case("num_microbatches < 1", lambda: compiled(layers(), num_microbatches=0))
 case("num_stages does not divide the ranks", lambda: compiled(layers(), num_stages=3))

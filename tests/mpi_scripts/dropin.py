@@ -153,6 +153,15 @@ same_training(lambda_chain, x, y, adam_args)
 same_training(lambda_chain, x, y, adam_args, from_sequential=True)
 ok("lambda and custom layers")
 
+
+# 7. Fewer layers than ranks: the last stages hold none (the last computes the loss), with a warning.
+def short_chain():
+    return [keras.Input((12,)), *dense_chain()[1:SIZE]]  # SIZE - 1 layers
+
+
+same_training(short_chain, x, y, adam_args)
+ok("fewer layers than ranks")
+
 # 8. fit(x) without y: the package's message, on every rank.
 model = PipelineModel(dense_chain())
 model.compile(**adam_args())
