@@ -127,7 +127,7 @@ class TiedReducer:
         """
         from mpi4py import MPI
 
-        from keras_pipe.comm import Communicator
+        from keras_pipe.comm import Communicator, created
 
         by_stages: dict[tuple, list[str]] = {}
         for unit, stages in sorted(cut.shared.items()):
@@ -141,7 +141,7 @@ class TiedReducer:
             if pipeline.size > 1:
                 split = pipeline.comm.Split(0 if member else MPI.UNDEFINED, stage)
                 if member:
-                    comm = Communicator(split, pipeline.stall_timeout, parent=pipeline._parent or pipeline)
+                    comm = Communicator(created(split), pipeline.stall_timeout, parent=pipeline._parent or pipeline)
             if not member:
                 continue
             positions = [position[id(v)] for unit in units for v in model_graph.units[unit].trainable_weights]

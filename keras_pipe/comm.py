@@ -12,10 +12,12 @@ Set ``KERAS_PIPE_DEBUG=1`` to print every send and receive, prefixed with the ra
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
 import time
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -129,6 +131,7 @@ class Communicator:
         self._parent = parent
         self._shared = PROCESS
         self._world_spanning = self.size == MPI.COMM_WORLD.Get_size()
+        _OPEN.add(self)
         self._world_ranks = None
         if parent is not None:
             group, parent_group = self.comm.Get_group(), parent.comm.Get_group()
@@ -144,7 +147,7 @@ class Communicator:
         rank stuck on any of them is reported with every rank of the job.
         """
         root = self._parent or self
-        return Communicator(self.comm.Split(color, key), self.stall_timeout, parent=root)
+        return Communicator(created(self.comm.Split(color, key)), self.stall_timeout, parent=root)
 
     @property
     def doing(self) -> str:
@@ -527,6 +530,30 @@ class _SharedState:
 
 
 PROCESS = _SharedState()
+_CREATED: list = []  # the MPI communicators keras_pipe made (split, duplicated), freed at exit
+
+
+def created(comm):
+    """Registers a communicator keras_pipe made, so that it is freed before MPI finalizes (MPICH warns otherwise)."""
+    _CREATED.append(comm)
+    return comm
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # every Communicator, whose sends' requests are released at exit
+
+
+@atexit.register
+def _free_created() -> None:
+    # (registered when this module is imported, after mpi4py's own exit hook: it runs before MPI finalizes)
+    for communicator in list(_OPEN):
+        communicator.progress()  # completed sends still hold their requests until tested
+    while _CREATED:
+        comm = _CREATED.pop()
+        try:
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+        except MPI.Exception:
+            pass
 
 
 def note_failures() -> None:

@@ -351,19 +351,36 @@ def unallocated_scope():
     """A ``keras.StatelessScope`` whose new variables are never allocated (Keras' ``global_state``
     ``"uninitialized_variables"`` list, Keras 3.0-3.15).
 
-    Why: the shape probe builds a copy of every layer. A plain
+    Why: every rank builds every layer of the model, shapes only. A plain
     ``StatelessScope`` allocates the variables created inside it on exit, and
     ``initialize_variables=False`` leaves them on a list the next scope
     allocates: either way the whole model's weights on every rank, which a
-    pipeline exists to avoid. This scope takes them off the list again.
+    pipeline exists to avoid. This scope takes them off the list again. A
+    variable created from a value rather than an initializer, which a
+    ``StatelessScope`` refuses, is allocated (``Variable.__init__`` wrapped
+    for the scope's duration).
     """
     from keras.src.backend.common import global_state
+    from keras.src.backend.common.variables import Variable
 
     before = list(global_state.get_global_attribute("uninitialized_variables") or [])
+    original = Variable.__init__
+
+    def create(variable, initializer, *args, **kwargs):
+        # A variable created from a value, not an initializer (an optimizer's iteration count,
+        # which keras_hub's task models create as they compile themselves), cannot wait: a
+        # StatelessScope refuses it. It is small: it is allocated as it is.
+        if callable(initializer) or isinstance(initializer, str):
+            return original(variable, initializer, *args, **kwargs)
+        with allocating_scope():
+            return original(variable, initializer, *args, **kwargs)
+
+    Variable.__init__ = create
     try:
         with keras.StatelessScope(initialize_variables=False):
             yield
     finally:
+        Variable.__init__ = original
         global_state.set_global_attribute("uninitialized_variables", before)
 
 

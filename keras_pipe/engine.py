@@ -204,7 +204,9 @@ class Engine:
             first = microbatch_bounds(int(x[0].shape[0]), self.num_microbatches)[0][1]
             sample = [rows(t, 0, first) for t in x]
         self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
-        measured = probe.measure(self.compute.stage, self.compute.calls, self.links, self.pipeline, sample)
+        measured = probe.measure(
+            self.compute.stage, self.compute.calls, self.links, self.pipeline, sample, eager=self.eager
+        )
         problems = probe.differences(self.cut.graph, measured)
         if problems:
             raise PipelineConfigError(
@@ -270,6 +272,8 @@ class Engine:
         replica's share, gathered), else ``None``.
         """
         self.measure(x)
+        if loss is not None:
+            loss.masked = self.output_masked()  # (known once measured, on the first batch)
         first, last = replica_bounds(batch_size, self.num_replicas)[self.replica]
         bounds = (
             [(first + a, first + b) for a, b in microbatch_bounds(last - first, self.num_microbatches)]

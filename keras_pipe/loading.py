@@ -7,7 +7,7 @@ import keras
 from keras_pipe import compat
 from keras_pipe.comm import Communicator
 from keras_pipe.model import PipelineModel
-from keras_pipe.saving import ROOT, load_into, on_root
+from keras_pipe.saving import ROOT, compile_whole, load_into, on_root
 
 
 def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline_options):
@@ -29,10 +29,10 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
     comm = Communicator()
 
     def read():
-        return keras.models.load_model(filepath, custom_objects=custom_objects, safe_mode=safe_mode)
+        return read_whole(filepath, custom_objects, safe_mode)
 
-    whole = on_root(comm, read, f"load {filepath}", reading=filepath)
-    description = comm.bcast_json(_summary_of(whole) if comm.rank == ROOT else None, root=ROOT)
+    whole, compile_config = on_root(comm, read, f"load {filepath}", reading=filepath) or (None, None)
+    description = comm.bcast_json(_summary_of(whole, compile_config) if comm.rank == ROOT else None, root=ROOT)
     with keras.saving.custom_object_scope(custom_objects or {}):
         pipeline_options.setdefault("name", description["name"])
         if description["layers"] is not None:
@@ -50,8 +50,32 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
     return model
 
 
-def _summary_of(whole: keras.Model) -> dict:
-    compile_config = whole.get_compile_config() if whole.compiled else None
+def read_whole(filepath, custom_objects=None, safe_mode: bool = True):
+    """Rank 0: ``(the whole model, its compile config)`` from a ``.keras`` file, compiled as it was saved.
+
+    As ``keras.models.load_model``, except that the model is compiled with
+    the file's own compile config before its weights and optimizer state are
+    read: Keras skips that for a model whose class has a ``compile()`` of its
+    own (keras_hub's task models), which would keep that class's defaults.
+    """
+    import json
+    import zipfile
+
+    if not zipfile.is_zipfile(filepath):
+        whole = keras.models.load_model(filepath, custom_objects=custom_objects, safe_mode=safe_mode)
+        return whole, (whole.get_compile_config() if whole.compiled else None)
+    with zipfile.ZipFile(filepath) as archive:
+        config = json.loads(archive.read("config.json"))
+    compile_config = config.pop("compile_config", None)
+    with keras.saving.custom_object_scope(custom_objects or {}):
+        whole = keras.saving.deserialize_keras_object(config, safe_mode=safe_mode)
+        if compile_config is not None:
+            compile_whole(whole, compile_config)
+    whole.load_weights(filepath)
+    return whole, compile_config
+
+
+def _summary_of(whole: keras.Model, compile_config) -> dict:
     if isinstance(whole, keras.Sequential):
         config = whole.get_config()
         first = whole.inputs[0]

@@ -110,10 +110,12 @@ class ModelLogs:
         values = np.asarray(terms, np.float64)
         if with_replicas is not None:
             values = with_replicas.allreduce_sum(values)
+        # As CompileLoss.call does, once per batch (keras/src/trainers/compile_utils.py), with the
+        # weight it passes: the batch's size, which inside Keras' traced step is unknown (None), so that
+        # each batch weighs alike there; run eagerly, it is known.
+        weight = batch_size if self.model.run_eagerly else None
         for tracker, value in zip(trackers, values):
-            compat.set_mean_state(
-                tracker, float(tracker.total.numpy()) + value * batch_size, float(tracker.count.numpy()) + batch_size
-            )
+            tracker.update_state(np.float32(value), sample_weight=weight)
 
     # Compiled once each, so that a step costs one call for the metrics and
     # one for the loss instead of a dozen eager operations.
@@ -139,7 +141,7 @@ class ModelLogs:
 
     def _metrics_update(self):
         metrics = compat.compiled_metrics(self.model)
-        if self._update[0] is not metrics:
+        if self._update[0] is not metrics or self._update[1] is None:
             structure = self.model.engine.graph.output_structure()
 
             def update(y, tensors, masks, sample_weight):

@@ -233,7 +233,6 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             loss = MicrobatchLoss(compat.compiled_loss(self), self.engine.graph.output_structure(), [])
             loss.build(y)
             object.__setattr__(self, "_loss", loss)
-        self._loss.masked = self.engine.output_masked()
         return self._loss
 
     # -- the steps ---------------------------------------------------------

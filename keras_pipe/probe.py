@@ -10,9 +10,11 @@ it would attend to and pool over padding: training silently unlike the
 unsplit model.
 
 So on its first batch each pipeline runs one real forward of that batch's
-first micro-batch (inference mode: no dropout draw, no statistics moved),
-stage after stage, every crossing sent with its whole shape and its mask,
-whatever the graph says; the stages then share what each tensor carried.
+first micro-batch (inference mode: no dropout draw, no statistics moved;
+traced, as the stage's programs run, since Keras attaches some masks in a
+traced call and not in an eager one), stage after stage, every crossing
+sent with its whole shape and its mask, whatever the graph says; the
+stages then share what each tensor carried.
 From then on a tensor whose mask differs from what was measured is an error
 naming it (:meth:`keras_pipe.compute.StageCompute._crossing`), never a
 silent drop.
@@ -26,7 +28,7 @@ from keras_pipe import compat
 from keras_pipe.compute import Masked
 
 
-def measure(stage, calls, links, pipeline, sample: list | None) -> dict:
+def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = False) -> dict:
     """One real forward through the pipeline (collective over ``pipeline``): ``{tensor: (shape, mask shape)}``.
 
     Args:
@@ -35,31 +37,31 @@ def measure(stage, calls, links, pipeline, sample: list | None) -> dict:
         links: its :class:`~keras_pipe.links.Links` (``None`` with one stage).
         pipeline: the pipeline's communicator.
         sample: first stage: the model inputs of one micro-batch.
+        eager: run the nodes op by op, as the stage's programs then run
+            (``compile(run_eagerly=True)``); else traced, as they do: Keras
+            propagates some masks in one mode and not the other.
 
     Returns:
         For every tensor any stage read or computed, its real shape and the
         shape of its mask (``None`` without), the same on every rank.
     """
-    values = {}
-    if stage.index == 0:
-        values.update(zip(stage.model_inputs, sample))
+    inputs = list(sample) if stage.index == 0 else []
     for crossing in stage.receives:
-        values[crossing.tensor] = links.receive_described(crossing.source, links.tensors[crossing.tensor].dtype)
-    for t, value in list(values.items()):
-        if isinstance(value, Masked):
-            tensor = tf.identity(value.tensor)
-            compat.set_mask(tensor, value.mask)
-            values[t] = tensor
-    for call in calls:
-        values.update(zip(call.outputs, call(values, training=False)))
+        inputs.append(links.receive_described(crossing.source, links.tensors[crossing.tensor].dtype))
+    forward = _forward(stage, calls)
+    values, masks = forward(inputs) if eager else tf.function(forward)(inputs)
+    # Each tensor as the stage that computed it saw it once its stage was done (a layer may take the mask
+    # off a tensor it reads, as MultiHeadAttention does: the tensor's readers on later stages, in the
+    # unsplit model too, see what the tensor carried once every earlier node ran).
+    computed = set(stage.model_inputs) | {t for call in calls for t in call.outputs}
     found = {}
     for t, value in values.items():
-        mask = compat.get_mask(value)
-        found[str(t)] = [list(value.shape), None if mask is None else list(mask.shape)]
+        if t in computed:
+            mask = masks.get(t)
+            found[str(t)] = [list(value.shape), None if mask is None else list(mask.shape)]
     for crossing in stage.sends:
-        value = values[crossing.tensor]
-        mask = compat.get_mask(value)
-        outgoing = value if mask is None else Masked(value, tf.cast(mask, tf.bool))
+        value, mask = values[crossing.tensor], masks.get(crossing.tensor)
+        outgoing = value if mask is None else Masked(value, mask)
         for destination in crossing.destinations:
             links.send_described(outgoing, destination)
     if links is not None:
@@ -68,6 +70,29 @@ def measure(stage, calls, links, pipeline, sample: list | None) -> dict:
     for part in pipeline.allgather_json(found) if pipeline.size > 1 else [found]:
         merged.update(part)
     return {int(t): (tuple(shape), None if mask is None else tuple(mask)) for t, (shape, mask) in merged.items()}
+
+
+def _forward(stage, calls):
+    """The stage's nodes in inference mode: ``(values, masks)`` of every tensor it read or computed."""
+
+    def forward(inputs):
+        values = {}
+        for t, value in zip(stage.inputs, inputs):
+            if isinstance(value, Masked):
+                tensor = tf.identity(value.tensor)
+                compat.set_mask(tensor, value.mask)
+                value = tensor
+            values[t] = value
+        for call in calls:
+            values.update(zip(call.outputs, call(values, training=False)))
+        masks = {}
+        for t, value in values.items():
+            mask = compat.get_mask(value)
+            if mask is not None:
+                masks[t] = tf.cast(mask, tf.bool)
+        return values, masks
+
+    return forward
 
 
 def masks_of(graph, measured: dict) -> dict:

@@ -56,7 +56,9 @@ def start_entry_agreement(world) -> None:
     from keras_pipe.comm import Communicator
 
     # a child of the world communicator: its stall reports ask every rank there
-    _entries = Communicator(world.comm.Dup(), world.stall_timeout, parent=world)
+    from keras_pipe.comm import created
+
+    _entries = Communicator(created(world.comm.Dup()), world.stall_timeout, parent=world)
     atexit.register(_finished)
 
 

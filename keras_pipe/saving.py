@@ -156,10 +156,20 @@ def skeleton(model) -> keras.Model:
         config = keras.saving.serialize_keras_object(model._source)
         whole = keras.saving.deserialize_keras_object(config, safe_mode=False)
     if model.compiled:
-        whole.compile_from_config(model.get_compile_config())
-        if whole.optimizer is not None and not whole.optimizer.built:
-            whole.optimizer.build(whole.trainable_variables)
+        compile_whole(whole, model.get_compile_config())
     return whole
+
+
+def compile_whole(whole, compile_config) -> None:
+    """Compiles ``whole`` as ``compile_config`` says, and builds its optimizer.
+
+    Not ``compile_from_config``: Keras skips it for a model whose class has a
+    ``compile()`` of its own (keras_hub's task models), which would keep that
+    class's default optimizer.
+    """
+    whole.compile(**keras.saving.deserialize_keras_object(compile_config))
+    if whole.optimizer is not None and not whole.optimizer.built:
+        whole.optimizer.build(whole.trainable_variables)
 
 
 def to_whole(model) -> keras.Model | None:

@@ -24,6 +24,23 @@ def test_save_on_four_ranks_resume_on_two_and_open_in_plain_keras(tmp_path):
     assert resumed.output.count("RESUMED rank") == 2
 
 
+def test_a_keras_hub_gpt2_saved_on_four_ranks_opens_in_plain_keras_and_resumes_on_two(tmp_path):
+    saved = run_mpi(4, "graph_saving.py", str(tmp_path), "save", timeout=300)
+    assert saved.returncode == 0, saved.output
+    assert saved.output.count("SAVED rank") == 4, saved.output
+    assert "pending" not in saved.output, "every communicator is freed before MPI finalizes"
+    plain = subprocess.run(
+        [sys.executable, str(SCRIPTS / "plain_load_graph.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert "PLAIN KERAS OK" in plain.stdout, plain.stdout + plain.stderr
+    resumed = run_mpi(2, "graph_saving.py", str(tmp_path), "resume", timeout=300)
+    assert resumed.returncode == 0, resumed.output
+    assert resumed.output.count("RESUMED rank") == 2, resumed.output
+
+
 def test_a_save_that_fails_part_way_leaves_the_previous_file_loadable(tmp_path):
     launch = run_mpi(2, "save_faults.py", str(tmp_path), "errors", timeout=240)
     assert launch.returncode == 0, launch.output

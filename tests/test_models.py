@@ -1,0 +1,29 @@
+"""Models this project did not write, pipelined, equal to the unsplit model (tests/mpi_scripts/hub.py, graphs.py).
+
+keras_hub's layers and models built from constructor arguments (nothing is
+downloaded), keras.applications, and hand-written Functional graphs, each
+against the unsplit model on the same weights and data, under real mpirun.
+"""
+
+import pytest
+from mpi import run_mpi
+
+HUB = ["encoder", "decoder", "gpt2", "bert"]
+GRAPHS = ["skip", "multi", "dynamic", "resnet"]
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_keras_hub_models_equal_the_unsplit_model(nprocs):
+    cases = HUB if nprocs > 1 else ["encoder", "decoder"]  # one rank: the masks' measurement, micro-batched
+    launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
+    assert launch.returncode == 0, launch.output
+    for case in cases:
+        assert launch.output.count(f"HUB OK {case} ") == nprocs, (case, launch.output)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_functional_graphs_equal_the_unsplit_model(nprocs):
+    launch = run_mpi(nprocs, "graphs.py", *GRAPHS, timeout=900)
+    assert launch.returncode == 0, launch.output
+    for case in GRAPHS:
+        assert launch.output.count(f"GRAPH OK {case} ") == nprocs, (case, launch.output)
