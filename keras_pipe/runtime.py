@@ -53,10 +53,8 @@ def start_entry_agreement(world) -> None:
     global _entries
     if _entries is not None or world.size == 1:
         return
-    from keras_pipe.comm import Communicator
-
     # a child of the world communicator: its stall reports ask every rank there
-    from keras_pipe.comm import created
+    from keras_pipe.comm import Communicator, created
 
     _entries = Communicator(created(world.comm.Dup()), world.stall_timeout, parent=world)
     atexit.register(_finished)
