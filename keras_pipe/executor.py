@@ -253,8 +253,10 @@ class Executor:
         if not training:
             return
         if not compute.trainable_variables:
-            if _needs_whole_model(batch):
-                self.pipeline_sum(np.zeros(1))  # this stage's share of the norm: none, but the others wait for it
+            finite = True
+            if _needs_whole_model(batch):  # this stage's share of the norm: none, but the others wait for it
+                finite = bool(np.isfinite(self.pipeline_sum(np.zeros(1))[0]))
+            count_step(batch.optimizer, finite)
             return
         applied = self._last_weights >= 0 and self.reducer is None and self.tied is None and compute.gradients.empty
         if applied:
@@ -388,6 +390,30 @@ def _needs_whole_model(batch: Batch) -> bool:
     """
     optimizer = batch.optimizer
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or bool(_global_clipnorm(optimizer))
+
+
+def count_step(optimizer, finite: bool = True) -> None:
+    """What an update does to the optimizer's counters, on a stage with no weights to update.
+
+    Every stage's ``optimizer.iterations`` then counts the model's steps (as
+    callbacks and learning-rate schedules read it), and a ``LossScaleOptimizer``
+    grows or lowers its scale as on the other stages (``finite``: whether every
+    stage's gradients were), as ``keras/src/optimizers/loss_scale_optimizer.py`` does.
+    """
+    if not optimizer.built:
+        optimizer.build([])
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if not finite:
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+            return
+        if int(optimizer.step_counter) == optimizer.dynamic_growth_steps - 1:
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+        else:
+            optimizer.step_counter.assign_add(1)
+        optimizer = optimizer.inner_optimizer
+    optimizer.iterations.assign_add(1)
 
 
 def _global_clipnorm(optimizer):

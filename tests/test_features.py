@@ -6,6 +6,8 @@ from mpi import run_mpi
 CASES = [
     "clipnorm",
     "clipnorm-replicas",
+    "clipnorm-embedding",
+    "dropout-stream",
     "bfloat16",
     "float16",
     "float16-overflow",

@@ -79,6 +79,53 @@ def clipnorm(case):
     assert norm > 0.05 * 2, f"the gradient norm {norm} does not exceed global_clipnorm: nothing was clipped"
 
 
+def clipnorm_embedding(case):
+    """global_clipnorm clips by Keras' norm of an Embedding's sparse gradient: its slices, a repeated id once per use."""
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 6, size=(96, 10))  # few ids, each used many times per batch
+
+    def chain():
+        return [
+            keras.Input((10,), dtype="int32"),
+            keras.layers.Embedding(6, 8),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+
+    def adam():
+        return dict(optimizer=keras.optimizers.Adam(1e-2, global_clipnorm=0.05), loss="sparse_categorical_crossentropy")
+
+    compare(case, chain, adam, (1e-5, 1e-6), (tokens, y, sw), evaluate=True, num_microbatches=2)
+    # the norm clipped: the first batch's gradient is longer than the limit
+    probe = keras.Sequential(chain())
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y[:32], probe(tokens[:32])) * sw[:32])
+    grads = tape.gradient(loss, probe.trainable_variables)
+    assert isinstance(grads[0], tf.IndexedSlices), type(grads[0])
+    norm = float(keras.ops.sqrt(sum(keras.ops.sum(keras.ops.square(g)) for g in grads)))
+    assert norm > 0.05 * 2, f"the gradient norm {norm} does not exceed global_clipnorm: nothing was clipped"
+
+
+def dropout_stream(case):
+    """jit_compile="auto": a stage with dropout trains without XLA, drawing Sequential's masks (one micro-batch)."""
+
+    def chain():
+        return [
+            keras.Input((12,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dropout(0.5, seed=42),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dropout(0.5, seed=43),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+
+    def adam():
+        return dict(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+
+    compare(case, chain, adam, (2e-6, 2e-7), num_microbatches=1)
+
+
 def precision(case):
     policy = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}[case]
     keras.mixed_precision.set_global_policy(policy)
@@ -339,6 +386,8 @@ def overflow(case):
 CASES = {
     "clipnorm": clipnorm,
     "clipnorm-replicas": clipnorm,
+    "clipnorm-embedding": clipnorm_embedding,
+    "dropout-stream": dropout_stream,
     "bfloat16": precision,
     "float16": precision,
     "float16-overflow": overflow,
