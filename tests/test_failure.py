@@ -12,17 +12,28 @@ from mpi import run_mpi
         ("callback", "boom from a callback on rank 2"),
         ("layer", "a layer failed on rank 2"),
         ("data", "the data reader failed on rank 2"),
-        ("validation", "Invalid input shape"),
+        ("label", "label 3, which is outside the valid range [0, 3)"),
     ],
 )
 def test_rank_failure_ends_every_rank(where, message):
     launch = run_mpi(4, "fail_rank.py", "2", where, timeout=120)
     assert launch.returncode != 0, launch.output
     assert launch.seconds < 60, launch.output
-    failing = 0 if where == "validation" else 2  # (the first stage reads the validation data)
+    failing = 3 if where == "label" else 2  # (the last stage computes the loss)
     assert f"rank {failing} of 4" in launch.output, launch.output
     assert message in launch.output, launch.output
     assert "finished without noticing" not in launch.output, launch.output
+
+
+def test_validation_data_of_the_wrong_shape_is_the_same_error_on_every_rank_at_once():
+    # Only the first stage converts the inputs, but every rank checks the batch's shapes: the
+    # error is raised everywhere (printed once), never left to the first stage while the others wait.
+    launch = run_mpi(4, "fail_rank.py", "2", "validation", timeout=120)
+    assert launch.returncode != 0, launch.output
+    assert launch.seconds < 60, launch.output
+    assert "every rank of 4 raised this error" in launch.output, launch.output
+    assert launch.output.count("Invalid input shape") == 1, launch.output
+    assert "aborting" not in launch.output, launch.output
 
 
 @pytest.mark.parametrize(

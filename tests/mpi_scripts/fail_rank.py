@@ -2,8 +2,9 @@
 
 Usage: fail_rank.py FAILING_RANK WHERE, with WHERE one of ``callback`` (a
 callback raises), ``layer`` (a layer raises inside the compiled step),
-``data`` (the rank's data generator raises) or ``validation`` (every rank is
-given validation data of the wrong shape, which only the first stage reads).
+``data`` (the rank's data generator raises), ``label`` (a label outside the
+classes, which the last stage finds under XLA) or ``validation`` (every rank is
+given validation data of the wrong shape).
 """
 
 import sys
@@ -61,6 +62,12 @@ if where == "data":
             yield x[:32], y[:32]
 
     model.fit(batches(), steps_per_epoch=20, epochs=3, verbose=0)
+elif where == "label":
+    # a label of 3 for 3 classes: XLA would give NaN silently, TensorFlow's own kernel refuses it
+    bad = y.copy()
+    bad[100] = 3
+    model.compile(**dict(compile_args(), jit_compile=True))
+    model.fit(x, bad, batch_size=32, epochs=1, verbose=0)
 elif where == "validation":
     # 12 features as (-1, 4, 3): only the first stage reads x, so only it can find out
     bad = (x[:64].reshape((-1, 4, 3)), y[:64])
