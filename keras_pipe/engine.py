@@ -181,8 +181,11 @@ class Engine:
     def _warn_about_batch_statistics(self, model_graph) -> None:
         if self.num_microbatches > 1 and self.world.rank == 0:
             # (with replicas, statistics are also per replica, as in any data-parallel Keras)
+            # (a frozen one, trainable=False, normalises with its moving statistics: nothing differs)
             normalising = [
-                layer.name for layer in model_graph.units.values() if isinstance(layer, keras.layers.BatchNormalization)
+                layer.name
+                for layer in model_graph.units.values()
+                if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
             ]
             if normalising:
                 warnings.warn(

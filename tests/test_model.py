@@ -1,6 +1,7 @@
 """PipelineModel in one process (one rank): building, summary, warnings, weights."""
 
 import os
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -12,11 +13,17 @@ from keras_pipe import PipelineConfigError, PipelineModel  # noqa: E402
 
 
 def test_batch_normalization_with_microbatches_warns():
-    model = PipelineModel(
-        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()], num_microbatches=2
-    )
     with pytest.warns(UserWarning, match="per micro-batch"):
-        model.build()
+        PipelineModel([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()], num_microbatches=2)
+
+
+def test_frozen_batch_normalization_with_microbatches_does_not_warn():
+    # trainable=False normalises with the moving statistics (inference mode): nothing differs
+    frozen = keras.layers.BatchNormalization()
+    frozen.trainable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PipelineModel([keras.Input((4,)), keras.layers.Dense(3), frozen], num_microbatches=2)
 
 
 def test_from_sequential_keeps_the_weights_and_layers():

@@ -145,13 +145,23 @@ def resnet(case):
     y = rng.integers(0, 10, size=16)
 
     def make():
-        return keras.applications.ResNet50V2(weights=None, input_shape=(32, 32, 3), classes=10)
+        model = keras.applications.ResNet50V2(weights=None, input_shape=(32, 32, 3), classes=10)
+        for layer in model.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.trainable = False  # inference mode, as when fine-tuning (see below)
+        return model
 
     def sgd():
         return dict(optimizer=keras.optimizers.SGD(1e-3), loss="sparse_categorical_crossentropy", jit_compile=False)
 
-    # One micro-batch: batch normalization's statistics are the whole batch's, as in the unsplit model.
-    compare(case, make, sgd, x, y, fit_args=dict(batch_size=8, epochs=1), tolerance=(1e-4, 1e-5), num_microbatches=1)
+    # Its batch normalization is frozen (Keras' fine-tuning convention: moving statistics, no
+    # update). Training it on batches of 8 whose last blocks are 1 x 1 makes the comparison
+    # meaningless: the unsplit model with and without XLA alone then ends 2 steps with weights
+    # apart by 13 % of their update (round-off amplified by variances near zero); frozen, their
+    # losses agree exactly and their weights within 1 % of the update (which is what it is
+    # compared with here, to 1e-4). Batch normalization in training, whole batch and micro-batched,
+    # is compared on well-conditioned models in features.py.
+    compare(case, make, sgd, x, y, fit_args=dict(batch_size=8, epochs=1), tolerance=(1e-4, 1e-5), num_microbatches=2)
 
 
 CASES = {"skip": skip, "multi": multi, "dynamic": dynamic, "resnet": resnet}
