@@ -21,8 +21,19 @@ def mpirun_path() -> str:
         return str(beside)
     found = shutil.which("mpirun") or shutil.which("mpiexec")
     if not found:
-        raise RuntimeError("no mpirun found; install the test extra: pip install -e '.[tf-cpu,mpich,test]'")
+        raise RuntimeError("no mpirun found; install the test extra pip install -e '.[tf-cpu,mpich,test]'")
     return found
+
+
+def require_keras_hub() -> None:
+    """Fails (never skips) where keras_hub is missing: the tests of code we did not write must run."""
+    import importlib.util
+
+    if importlib.util.find_spec("keras_hub") is None:
+        raise RuntimeError(
+            'keras_hub is not installed; install it as .ci/run does: pip install --no-deps "keras-hub==0.32.*" '
+            "(its declared tensorflow-text would pull the full tensorflow beside tensorflow-cpu)"
+        )
 
 
 @dataclass

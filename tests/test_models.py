@@ -6,7 +6,7 @@ against the unsplit model on the same weights and data, under real mpirun.
 """
 
 import pytest
-from mpi import run_mpi
+from mpi import require_keras_hub, run_mpi
 
 HUB = ["encoder", "decoder", "gpt2", "bert"]
 GRAPHS = ["skip", "multi", "dynamic", "resnet"]
@@ -14,6 +14,7 @@ GRAPHS = ["skip", "multi", "dynamic", "resnet"]
 
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
 def test_keras_hub_models_equal_the_unsplit_model(nprocs):
+    require_keras_hub()
     cases = HUB if nprocs > 1 else ["encoder", "decoder"]  # one rank: the masks' measurement, micro-batched
     launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
     assert launch.returncode == 0, launch.output

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from mpi import SCRIPTS, run_mpi
+from mpi import SCRIPTS, require_keras_hub, run_mpi
 
 
 def test_save_on_four_ranks_resume_on_two_and_open_in_plain_keras(tmp_path):
@@ -25,6 +25,7 @@ def test_save_on_four_ranks_resume_on_two_and_open_in_plain_keras(tmp_path):
 
 
 def test_a_keras_hub_gpt2_saved_on_four_ranks_opens_in_plain_keras_and_resumes_on_two(tmp_path):
+    require_keras_hub()
     saved = run_mpi(4, "graph_saving.py", str(tmp_path), "save", timeout=300)
     assert saved.returncode == 0, saved.output
     assert saved.output.count("SAVED rank") == 4, saved.output
