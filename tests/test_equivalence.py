@@ -1,6 +1,6 @@
 """The most important test: pipelined training gives what keras.Sequential gives.
 
-For P = 1..4 ranks, micro-batch counts 1, 2 and 4 and both schedules, with a
+For P = 1, 3 and 4 ranks, micro-batch counts 1, 2 and 4 and both schedules, with a
 final partial batch, sample weights, weight and activity regularizers and a
 validation split: loss and metric history, final weights, evaluate() and
 predict() equal single-process Sequential to float32 round-off.
@@ -10,7 +10,9 @@ import pytest
 from mpi import run_mpi
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+# 1 rank (micro-batching alone), 3 (stages of unequal size, a middle stage) and 4; two stages
+# are covered by the many 2-rank launches elsewhere (replicas, callbacks, drop-in, features).
+@pytest.mark.parametrize("nprocs", [1, 3, 4])
 def test_pipeline_equals_sequential(nprocs):
     launch = run_mpi(nprocs, "equivalence.py", timeout=600)
     assert launch.returncode == 0, launch.output

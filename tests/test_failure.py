@@ -45,9 +45,10 @@ def test_validation_data_of_the_wrong_shape_is_the_same_error_on_every_rank_at_o
 )
 def test_a_rank_failing_before_keras_pipe_is_imported_is_named_within_a_minute(mode, message):
     # The failed rank never reaches the first rendezvous (it sits in MPI_Finalize, or never joined
-    # MPI), so the launcher never ends the job: the others must, with the default timeouts, naming
-    # the rank that is missing, at the first rendezvous's own timeout (not the stall timeout's 600 s).
-    launch = run_mpi(3, "early_failure.py", mode, timeout=120)
+    # MPI), so the launcher never ends the job: the others must, naming the rank that is missing,
+    # at the first rendezvous's own timeout (not the stall timeout's 600 s; 15 s here instead of
+    # the default 30 s, to keep the suite short).
+    launch = run_mpi(3, "early_failure.py", mode, timeout=120, env={"KERAS_PIPE_START_TIMEOUT": "15"})
     assert launch.returncode != 0, launch.output
     assert launch.seconds < 60, launch.output
     assert message in launch.output, launch.output

@@ -12,7 +12,9 @@ import pytest
 from mpi import run_mpi
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+# 4 ranks (2 x 2 and 1 x 4): the same script in test_network.py, over TCP between "hosts" (one
+# launch of 90 s fewer in the suite, and the harder transport).
+@pytest.mark.parametrize("nprocs", [2])
 def test_replicas_equal_sequential(nprocs):
     launch = run_mpi(nprocs, "replicas.py", timeout=600)
     assert launch.returncode == 0, launch.output

@@ -80,7 +80,7 @@ def clipnorm(case):
 
 
 def clipnorm_embedding(case):
-    """global_clipnorm clips by Keras' norm of an Embedding's sparse gradient: its slices, a repeated id once per use."""
+    """global_clipnorm clips by Keras' norm of an Embedding's sparse gradient: its slices, a repeated id per use."""
     rng = np.random.default_rng(8)
     tokens = rng.integers(0, 6, size=(96, 10))  # few ids, each used many times per batch
 
