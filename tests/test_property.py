@@ -1,4 +1,4 @@
-"""Random ranks, micro-batch counts, batch and data sizes and widths: equal to Sequential or a clear error.
+"""Random ranks, micro-batch counts, batch and data sizes and widths: training equals Sequential.
 
 Each example is one real ``mpirun`` launch with a timeout, so an example that
 hung would fail the test instead of the suite. Examples are derandomised so
@@ -26,9 +26,7 @@ def test_training_equals_sequential_or_fails_clearly(ranks, m, batch, n, width, 
     config = dict(m=m, batch=batch, n=n, width=width, depth=depth, schedule=schedule)
     launch = run_mpi(ranks, "property.py", json.dumps(config), timeout=180)
     assert launch.returncode == 0, launch.output
+    assert launch.output.count("PROPERTY equal") == ranks, launch.output
     layers = depth + 1
-    if layers < ranks:
-        assert launch.output.count("PROPERTY error") == ranks, launch.output
-        assert f"{ranks} ranks but the model has only {layers} layers" in launch.output
-    else:
-        assert launch.output.count("PROPERTY equal") == ranks, launch.output
+    if layers < ranks:  # the last stages hold no layer (a warning, once): training still equals Sequential
+        assert f"{ranks} stages but the model has only {layers} layers" in launch.output, launch.output
