@@ -11,7 +11,8 @@ def test_callbacks_match_sequential(tmp_path, nprocs):
     assert launch.output.count("CALLBACKS OK") == nprocs, launch.output
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+# 4 ranks; a backup resumed on 2 ranks: the next test
+@pytest.mark.parametrize("nprocs", [4])
 def test_backup_and_restore_resumes_a_killed_run(tmp_path, nprocs):
     crashed = run_mpi(nprocs, "backup.py", str(tmp_path), "crash", timeout=180)
     assert crashed.returncode != 0 and "simulated crash on rank 1" in crashed.output, crashed.output

@@ -15,14 +15,17 @@ GRAPHS = ["skip", "multi", "dynamic", "resnet"]
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
 def test_keras_hub_models_equal_the_unsplit_model(nprocs):
     require_keras_hub()
-    cases = HUB if nprocs > 1 else ["encoder", "decoder"]  # one rank: the masks' measurement, micro-batched
+    # one and two ranks: the encoder and decoder stacks (issue 19's masks); GPT-2 on two ranks
+    # trains again in test_saving.py (resumed there, equal to an uninterrupted run)
+    cases = HUB if nprocs > 2 else ["encoder", "decoder"]
     launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
     assert launch.returncode == 0, launch.output
     for case in cases:
         assert launch.output.count(f"HUB OK {case} ") == nprocs, (case, launch.output)
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+# 4 ranks (a skip edge over two stages); the two-stage cut of Functional graphs: the keras_hub models
+@pytest.mark.parametrize("nprocs", [4])
 def test_functional_graphs_equal_the_unsplit_model(nprocs):
     launch = run_mpi(nprocs, "graphs.py", *GRAPHS, timeout=900)
     assert launch.returncode == 0, launch.output
