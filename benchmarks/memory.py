@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                          # weights dominate
     python benchmarks/memory.py --workload activations   # activations dominate
+    python benchmarks/memory.py --make from_model,unallocated --ranks 4 --recompute never
 
 ``weights``: a model whose weights plus Adam state take several GiB (12 Dense
 layers of 4096 x 4096: 201M parameters, 0.75 GiB of weights, 3 GiB with
@@ -11,7 +12,13 @@ and output, kept for the backward) outweigh the weights.
 
 Each is trained for a few steps on 1, 2 and 4 ranks, with ``recompute="never"``
 and ``"always"``, and each rank's peak resident memory is printed beside
-Sequential's. The TensorFlow runtime's fixed cost (a process that imports
+Sequential's. ``--make`` says how the pipeline is made: ``list`` (from the
+list of layers, the default), ``from_model`` (a ``keras.Sequential`` built
+whole on every rank, then ``PipelineModel.from_model``: each rank frees the
+other stages' weights) or ``unallocated`` (the Sequential created inside
+``keras_pipe.unallocated()``: each rank allocates only its own stage's); for
+these the resident memory just after the pipeline is made is printed too.
+The TensorFlow runtime's fixed cost (a process that imports
 everything and trains a tiny model, once with Sequential and once with
 PipelineModel) is measured too, and subtracted for the comparison with 1/P of
 Sequential's.
@@ -35,7 +42,12 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def worker(kind: str, width: int, depth: int, batch: int, recompute: str) -> None:
+def current_rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def worker(kind: str, width: int, depth: int, batch: int, recompute: str, make: str = "list") -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
@@ -45,32 +57,51 @@ def worker(kind: str, width: int, depth: int, batch: int, recompute: str) -> Non
     comm = Communicator()
     layers = [keras.Input((width,))] + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
     layers.append(keras.layers.Dense(10))
+    made = None
     if kind == "sequential":
         model = keras.Sequential(layers)
-    else:
+    elif make == "list":
         from keras_pipe import PipelineModel
 
         model = PipelineModel(layers, num_microbatches=4, recompute=recompute)
+    else:
+        import keras_pipe
+
+        if make == "unallocated":
+            with keras_pipe.unallocated():
+                whole = keras.Sequential(layers)
+        else:
+            whole = keras.Sequential(layers)
+        model = keras_pipe.PipelineModel.from_model(whole, num_microbatches=4, recompute=recompute)
+        made = current_rss_gib()
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x = np.random.default_rng(0).normal(size=(batch * STEPS, width)).astype("float32")
     y = np.random.default_rng(1).integers(0, 10, size=batch * STEPS)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     peaks = comm.allgather_json(peak_rss_gib())
+    made = comm.allgather_json(made)
     if comm.rank == 0:
         print("RESULT " + json.dumps(peaks), flush=True)
+        if made[0] is not None:
+            print("MADE " + json.dumps(made), flush=True)
 
 
-def launch(ranks: int, kind: str, width: int, depth: int, batch: int, recompute: str = "never") -> list[float]:
+def launch(
+    ranks: int, kind: str, width: int, depth: int, batch: int, recompute: str = "never", make: str = "list"
+) -> tuple[list[float], list[float] | None]:
+    """Each rank's peak resident memory, and (``from_model``, ``unallocated``) its memory once the model is made."""
     mpirun = Path(sys.executable).parent / "mpirun"
     command = [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(ranks), sys.executable, __file__]
     command += ["--worker", kind, "--width", str(width), "--depth", str(depth), "--batch", str(batch)]
-    command += ["--recompute", recompute]
+    command += ["--recompute", recompute, "--make", make]
     out = subprocess.run(
         command, capture_output=True, text=True, timeout=1800, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     )
-    for line in out.stdout.splitlines():
+    lines = out.stdout.splitlines()
+    for line in lines:
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+            made = [json.loads(m[len("MADE ") :]) for m in lines if m.startswith("MADE ")]
+            return json.loads(line[len("RESULT ") :]), (made[0] if made else None)
     raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout}\n{out.stderr}")
 
 
@@ -82,10 +113,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--recompute", default="never", help=argparse.SUPPRESS)
+    parser.add_argument("--recompute", default="never,always", help="never, always or both (the default)")
+    parser.add_argument("--make", default="list", help="list, from_model, unallocated, or several with commas")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.width, args.depth, args.batch, args.recompute)
+        return worker(args.worker, args.width, args.depth, args.batch, args.recompute, args.make)
     width, depth, batch = WORKLOADS[args.workload]
     params = depth * (width * width + width) + width * 10 + 10
     print(
@@ -93,9 +125,9 @@ def main() -> None:
         f"parameters, {params * 4 / 2**30:.2f} GiB of weights, {4 * params * 4 / 2**30:.2f} GiB with gradients and "
         f"Adam; one layer's activations for the batch {batch * width * 4 / 2**30:.2f} GiB"
     )
-    runtime_sequential = launch(1, "sequential", 8, 1, 16)[0]
-    runtime = launch(1, "pipeline", 8, 1, 16)[0]
-    sequential = launch(1, "sequential", width, depth, batch)[0]
+    runtime_sequential = launch(1, "sequential", 8, 1, 16)[0][0]
+    runtime = launch(1, "pipeline", 8, 1, 16)[0][0]
+    sequential = launch(1, "sequential", width, depth, batch)[0][0]
     print(
         f"fixed cost per process (a tiny model trained): Sequential {runtime_sequential:.2f} GiB, "
         f"PipelineModel {runtime:.2f} GiB (TensorFlow, MPI, XLA)"
@@ -105,14 +137,19 @@ def main() -> None:
         f"{'(Seq - runtime)/P':>18} {'ratio':>6}"
     )
     print(f"{'Sequential, 1 process':<40} {sequential:<26.2f} {sequential - runtime_sequential:13.2f}")
-    for ranks in map(int, args.ranks.split(",")):
-        for recompute in ("never", "always"):
-            peaks = launch(ranks, "pipeline", width, depth, batch, recompute)
-            mine = max(peaks) - runtime
-            ideal = (sequential - runtime_sequential) / ranks
-            shown = " ".join(f"{p:.2f}" for p in peaks)
-            name = f"PipelineModel, {ranks} rank(s), {recompute}"
-            print(f"{name:<40} {shown:<26} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f}", flush=True)
+    for make in args.make.split(","):
+        for ranks in map(int, args.ranks.split(",")):
+            for recompute in args.recompute.split(","):
+                peaks, made = launch(ranks, "pipeline", width, depth, batch, recompute, make)
+                mine = max(peaks) - runtime
+                ideal = (sequential - runtime_sequential) / ranks
+                shown = " ".join(f"{p:.2f}" for p in peaks)
+                name = f"PipelineModel, {ranks} rank(s), {recompute}" + ("" if make == "list" else f", {make}")
+                print(f"{name:<40} {shown:<26} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f}", flush=True)
+                if made is not None:
+                    after = " ".join(f"{m:.2f}" for m in made)
+                    share = max(made) - runtime
+                    print(f"{'  resident once made (GiB)':<40} {after:<26} {share:13.2f}", flush=True)
 
 
 if __name__ == "__main__":
