@@ -400,9 +400,7 @@ def count_step(optimizer, finite: bool = True) -> None:
     grows or lowers its scale as on the other stages (``finite``: whether every
     stage's gradients were), as ``keras/src/optimizers/loss_scale_optimizer.py`` does.
     """
-    if not optimizer.built:
-        optimizer.build([])
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # (built by the step, as on every stage)
         if not finite:
             optimizer.step_counter.assign(0)
             optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
