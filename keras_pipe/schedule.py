@@ -21,17 +21,22 @@ The kinds of action (:class:`Kind`), as in the zero-bubble papers:
   another rank between its forward and its backward, so the schedule says so
   with one action instead of a rule the executor would have to remember.
 
-With a split backward (``I`` + ``W``), ``"1f1b"`` and ``"gpipe"`` run one
-``W`` over all the step's micro-batches at the end: the work proportional to
-the weights (writing each weight gradient) is paid once per batch, as in
-``keras.Sequential``, instead of once per micro-batch, and the ``W`` of the
-later stages fills the cool-down bubble. ``"zb-h1"`` (Qi et al., *Zero
-Bubble Pipeline Parallelism*, 2024) runs one ``W`` per micro-batch, placed
-to fill the bubbles at 1F1B's activation memory.
+With a split backward (``I`` + ``W``), ``"1f1b"`` and ``"gpipe"`` batch
+the ``W`` of as many micro-batches as the schedule's memory bound allows:
+a micro-batch is *held* from its forward to its ``W`` (its activations, then
+what its weight gradients need: :class:`Holding` says what that costs
+against its activations), and a stage never holds more than the unsplit
+schedule does (1F1B: ``min(P - s, m)`` micro-batches' activations on stage
+``s``; GPipe: ``m``), or what :func:`hold_for` allows where activations are
+small beside the weights. Where holding more would pass the bound, the
+held micro-batches' ``W`` runs first, over all of them in one pass: the
+work proportional to the weights is paid once per ``W``, and the ``W`` of
+the later stages fills the cool-down bubble. ``"zb-h1"`` (Qi et al., *Zero Bubble Pipeline
+Parallelism*, 2024) runs one ``W`` per micro-batch, placed to fill the
+bubbles at 1F1B's activation memory.
 
 Every schedule runs the input-gradient passes of a stage in micro-batch
-order 0, 1, ..., m - 1 and weight gradients are summed in that order, so
-``"1f1b"`` and ``"gpipe"`` give bit-identical training results.
+order 0, 1, ..., m - 1 and weight gradients are summed in that order.
 """
 
 from __future__ import annotations
@@ -74,6 +79,20 @@ BACKWARD_INPUT, BACKWARD_WEIGHT = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 FORWARD_BACKWARD, FORWARD_INPUT = Kind.FORWARD_BACKWARD, Kind.FORWARD_INPUT
 
 
+class Holding(NamedTuple):
+    """What a stage may hold for its batched ``W``, in micro-batches' worth of activations.
+
+    ``limit``: at most this much (``None``: the schedule's own bound, as the
+    unsplit schedule holds; a larger one where :func:`hold_for` allows it).
+    ``cost``: what a micro-batch between its ``I`` and its ``W`` holds (its
+    weighted layers' inputs and output gradients) against what it holds in
+    flight (its activations).
+    """
+
+    limit: float | None = None
+    cost: float = 1.0
+
+
 class Action(NamedTuple):
     """One step of a stage's schedule: ``kind`` on ``microbatches`` (one, except for a batched ``W``)."""
 
@@ -98,7 +117,11 @@ def act(kind: Kind, *microbatches: int) -> Action:
 
 
 def gpipe(
-    num_stages: int, num_microbatches: int, split_backward: bool = False, whole_batch_loss: bool = False
+    num_stages: int,
+    num_microbatches: int,
+    split_backward: bool = False,
+    whole_batch_loss: bool = False,
+    hold: dict | None = None,
 ) -> list[list[Action]]:
     """All forwards, then all backwards (GPipe).
 
@@ -114,7 +137,8 @@ def gpipe(
     # stage 0: F0 F1 F2 F3 .. .. .. .. .. .. B0 B1 B2 B3
     # stage 1:    F0 F1 F2 F3 .. .. B0 B1 B2 B3
     # stage 2:       FB0 FB1 FB2 FB3
-    # with split_backward=True the Bs become Is (FBs FIs) and each stage ends with W0-3.
+    # with split_backward=True the Bs become Is (FBs FIs) and each stage ends with W0-3:
+    # GPipe holds every micro-batch anyway, so its W is always one pass over the batch.
     ```
 
     Example:
@@ -130,15 +154,24 @@ def gpipe(
     m = num_microbatches
     stage = [act(FORWARD, i) for i in range(m)] + [act(BACKWARD, i) for i in range(m)]
     last = list(stage) if whole_batch_loss else [act(FORWARD_BACKWARD, i) for i in range(m)]
-    return _split([list(stage) for _ in range(num_stages - 1)] + [last], split_backward)
+    plan = [list(stage) for _ in range(num_stages - 1)] + [last]
+    # (holding every micro-batch for one W, whatever it costs: GPipe's memory for its speed)
+    hold = {s: Holding(None, (hold or {}).get(s, Holding()).cost) for s in range(num_stages)}
+    return _split(plan, split_backward, _holdings(hold, [m * max(h.cost, 1.0) for h in hold.values()]))
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = False) -> list[list[Action]]:
+def one_f_one_b(
+    num_stages: int, num_microbatches: int, split_backward: bool = False, hold: dict | None = None
+) -> list[list[Action]]:
     """One forward, one backward (PipeDream-Flush / 1F1B).
 
     Stage ``s`` runs ``P - s - 1`` warm-up forwards, then alternates one
     forward and one backward, then drains the remaining backwards. It keeps
     at most ``P - s`` micro-batches of activations alive instead of ``m``.
+
+    With ``split_backward``, a stage's ``W`` runs over the micro-batches it
+    holds whenever holding more would pass that bound (or the larger limit
+    of ``hold[s]``, a :class:`Holding`): what a stage holds stays 1F1B's.
 
     ```
     # 1F1B, 3 stages, 4 micro-batches (F = forward, B = backward):
@@ -152,6 +185,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = F
     >>> [str(a) for a in one_f_one_b(3, 4)[0]]
     ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
     >>> [str(a) for a in one_f_one_b(2, 3, split_backward=True)[0]]
+    ['F0', 'F1', 'I0', 'W0', 'F2', 'I1', 'I2', 'W1-2']
+    >>> [str(a) for a in one_f_one_b(2, 3, split_backward=True, hold={0: Holding(limit=3)})[0]]
     ['F0', 'F1', 'I0', 'F2', 'I1', 'I2', 'W0-2']
     """
     _check(num_stages, num_microbatches)
@@ -159,7 +194,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = F
     for s in range(num_stages - 1):
         schedule.append(_one_f_one_b_stage(num_stages, s, num_microbatches, BACKWARD))
     schedule.append([act(FORWARD_BACKWARD, i) for i in range(num_microbatches)])
-    return _split(schedule, split_backward)
+    return _split(schedule, split_backward, _holdings(hold, [max_in_flight(actions) for actions in schedule]))
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -211,19 +246,53 @@ def forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 
 
 def make_schedule(
-    name: str, num_stages: int, num_microbatches: int, split_backward: bool = False
+    name: str, num_stages: int, num_microbatches: int, split_backward: bool = False, hold: dict | None = None
 ) -> list[list[Action]]:
     """The training schedule called ``name`` (one of :data:`SCHEDULES`).
 
     ``split_backward`` asks for I + W actions instead of B (``"zb-h1"`` always
-    splits).
+    splits); ``hold`` maps a stage to its :class:`Holding` (what it may hold
+    for a batched ``W``; the schedule's own bound where none is given).
     """
     check_name(name)
     if name == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches, split_backward)
+        return one_f_one_b(num_stages, num_microbatches, split_backward, hold)
     if name == "gpipe":
-        return gpipe(num_stages, num_microbatches, split_backward)
+        return gpipe(num_stages, num_microbatches, split_backward, hold=hold)
     return zero_bubble_h1(num_stages, num_microbatches)
+
+
+def hold_for(
+    weight_bytes: int,
+    held_bytes: int,
+    kept_bytes: int | None,
+    num_microbatches: int,
+    share: float = 0.25,
+    floor: int = 16 << 20,
+) -> Holding:
+    """What a stage may hold for its batched ``W``, from what it measured: a :class:`Holding`.
+
+    A ``W`` per micro-batch pays the work proportional to the weights (each
+    weight gradient written) once per micro-batch; holding micro-batches for
+    one ``W`` costs what each holds until then (``held_bytes``: its weighted
+    layers' inputs and output gradients; ``kept_bytes``: what it holds in
+    flight, its activations, unknown on the last stage). A stage may hold as
+    many as fit in ``share`` of its weights' bytes, or in ``floor`` bytes
+    (below which a ``W`` per micro-batch saves nothing that matters and costs
+    a program call each): where activations are small beside the weights
+    (small micro-batches, wide layers) ``W`` runs once per batch, and where
+    they dominate the schedule's own bound stands (1F1B's memory).
+
+    >>> hold_for(weight_bytes=64 << 20, held_bytes=1 << 20, kept_bytes=1 << 20, num_microbatches=8)
+    Holding(limit=8.0, cost=1.0)
+    >>> hold_for(weight_bytes=4 << 20, held_bytes=64 << 20, kept_bytes=32 << 20, num_microbatches=8)
+    Holding(limit=None, cost=2.0)
+    """
+    cost = held_bytes / kept_bytes if kept_bytes else 1.0
+    if held_bytes <= 0:
+        return Holding(float(num_microbatches) * max(cost, 1.0), cost)
+    fit = min(num_microbatches, int(max(share * weight_bytes, floor) // held_bytes))
+    return Holding(fit * cost if fit else None, cost)
 
 
 def check_name(name) -> None:
@@ -246,6 +315,32 @@ def max_in_flight(actions: list[Action]) -> int:
         elif action.kind in (BACKWARD, BACKWARD_INPUT):
             alive -= 1
         peak = max(peak, alive + (1 if action.kind in (FORWARD_BACKWARD, FORWARD_INPUT) else 0))
+    return peak
+
+
+def max_held(actions: list[Action], cost: float = 1.0) -> float:
+    """The most a stage holds between its actions, in micro-batches' worth of activations.
+
+    A micro-batch in flight (between its forward and its ``I``) counts one; one
+    between its ``I`` and its ``W`` counts ``cost`` (what the weight gradients
+    read: each weighted layer's input and output gradient). A ``W`` run right
+    after an ``I`` frees what that ``I`` held at once. With an unsplit
+    backward this is :func:`max_in_flight`.
+
+    >>> max_held(one_f_one_b(2, 4, split_backward=True)[0]), max_held(gpipe(2, 4, split_backward=True)[0])
+    (2.0, 4.0)
+    """
+    in_flight, pending, peak = 0, 0, 0.0
+    for position, action in enumerate(actions):
+        if action.kind in (FORWARD_BACKWARD, FORWARD_INPUT):
+            peak = max(peak, in_flight + cost * pending + 1)
+        in_flight += action.kind is FORWARD
+        in_flight -= action.kind in (BACKWARD, BACKWARD_INPUT)
+        pending += action.kind in (BACKWARD_INPUT, FORWARD_INPUT)
+        pending -= len(action.microbatches) if action.kind is BACKWARD_WEIGHT else 0
+        following = actions[position + 1] if position + 1 < len(actions) else None
+        if following is None or following.kind is not BACKWARD_WEIGHT:
+            peak = max(peak, in_flight + cost * pending)
     return peak
 
 
@@ -323,16 +418,39 @@ def _one_f_one_b_stage(num_stages: int, s: int, m: int, backward: Kind) -> list[
     return actions
 
 
-def _split(schedule: list[list[Action]], split_backward: bool) -> list[list[Action]]:
-    """B -> I and FB -> FI, with one W over every micro-batch at the end of each stage."""
+def _holdings(hold: dict | None, bounds: list) -> list[Holding]:
+    """Each stage's :class:`Holding`, its limit at least the schedule's own ``bounds[s]``."""
+    result = []
+    for s, bound in enumerate(bounds):
+        given = (hold or {}).get(s, Holding())
+        result.append(Holding(max(bound, given.limit or 0), given.cost))
+    return result
+
+
+def _split(schedule: list[list[Action]], split_backward: bool, holdings: list) -> list[list[Action]]:
+    """B -> I and FB -> FI; each stage's W batched over what it holds, within its :class:`Holding`."""
     if not split_backward:
         return schedule
     renamed = {BACKWARD: BACKWARD_INPUT, FORWARD_BACKWARD: FORWARD_INPUT}
     result = []
-    for actions in schedule:
-        split = [Action(renamed.get(a.kind, a.kind), a.microbatches) for a in actions]
-        microbatches = sorted({a.microbatch for a in actions})
-        result.append(split + [Action(BACKWARD_WEIGHT, tuple(microbatches))])
+    for actions, (limit, cost) in zip(schedule, holdings):
+        split, in_flight, pending = [], 0, []
+        for action in (Action(renamed.get(a.kind, a.kind), a.microbatches) for a in actions):
+            # a forward that would pass the limit runs once the held micro-batches' W freed them
+            if action.kind.forwards and pending and in_flight + cost * len(pending) + 1 > limit + 1e-9:
+                split.append(Action(BACKWARD_WEIGHT, tuple(pending)))
+                pending = []
+            split.append(action)
+            in_flight += action.kind is FORWARD
+            if action.kind.input_gradient:
+                in_flight -= action.kind is BACKWARD_INPUT
+                pending.append(action.microbatch)
+                if in_flight + cost * len(pending) > limit + 1e-9:  # (what an I holds for W may cost more)
+                    split.append(Action(BACKWARD_WEIGHT, tuple(pending)))
+                    pending = []
+        if pending:
+            split.append(Action(BACKWARD_WEIGHT, tuple(pending)))
+        result.append(split)
     return result
 
 

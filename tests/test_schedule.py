@@ -12,13 +12,16 @@ from keras_pipe.schedule import (
     FORWARD_BACKWARD,
     FORWARD_INPUT,
     SCHEDULES,
+    Holding,
     act,
     format_actions,
     format_schedule,
     forward_only,
     gpipe,
+    hold_for,
     make_schedule,
     makespan,
+    max_held,
     max_in_flight,
     one_f_one_b,
     simulate,
@@ -49,12 +52,64 @@ def test_a_whole_batch_loss_runs_every_forward_of_the_last_stage_first():
     assert makespan(plan, {FORWARD: 1, BACKWARD: 1}) == 2 * (3 + 3 - 1)  # no longer than GPipe
 
 
-def test_split_backward_runs_one_batched_weight_pass_at_the_end():
+def test_split_backward_batches_weight_passes_within_the_memory_bound():
+    # 1F1B: a stage holds at most P - s micro-batches from forward to W; W runs
+    # over those it holds when holding one more would pass the bound.
     assert [format_actions(a) for a in one_f_one_b(2, 3, split_backward=True)] == [
+        "F0 F1 I0 W0 F2 I1 I2 W1-2",
+        "FI0 W0 FI1 W1 FI2 W2",
+    ]
+    # Where activations are small beside the weights (hold_for), one W per batch.
+    everything = {0: Holding(limit=3), 1: Holding(limit=3)}
+    assert [format_actions(a) for a in one_f_one_b(2, 3, split_backward=True, hold=everything)] == [
         "F0 F1 I0 F2 I1 I2 W0-2",
         "FI0 FI1 FI2 W0-2",
     ]
-    assert format_actions(gpipe(2, 2, split_backward=True)[0]) == "F0 F1 I0 I1 W0-1"
+    # What a micro-batch holds for its W may cost more than its activations:
+    # Dense's input and output gradient against its input alone, say.
+    assert format_actions(one_f_one_b(4, 4, True, {0: Holding(cost=2.0)})[0]) == "F0 F1 F2 F3 I0 W0 I1 I2 W1-2 I3 W3"
+    # GPipe holds every micro-batch anyway: one W over the batch on every stage.
+    assert [format_actions(a) for a in gpipe(2, 2, split_backward=True)] == ["F0 F1 I0 I1 W0-1", "FI0 FI1 W0-1"]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 8, 13])
+@pytest.mark.parametrize("limit, cost", [(None, 1.0), (None, 2.0), (None, 0.5), (2, 1.0), (5, 3.0), (100, 1.0)])
+def test_what_a_split_stage_holds_stays_within_the_schedule_bound(stages, microbatches, limit, cost):
+    holds = {s: Holding(limit, cost) for s in range(stages)}
+    for name in ("1f1b", "gpipe"):
+        unsplit = make_schedule(name, stages, microbatches)
+        split = make_schedule(name, stages, microbatches, True, holds)
+        simulate(split, DURATIONS)  # (no deadlock, every part once)
+        for s, (plain, actions) in enumerate(zip(unsplit, split)):
+            bound = max(max_in_flight(plain), limit or 0) if name == "1f1b" else microbatches * max(cost, 1.0)
+            # within the bound, but for one micro-batch held alone for its W (costing more than its activations)
+            assert max_held(actions, cost) <= max(bound, max_in_flight(plain) - 1 + cost) + 1e-9, (name, s, actions)
+            # no W sooner than the bound asks: one W where the whole batch fits
+            weights = [a for a in actions if a.kind is BACKWARD_WEIGHT]
+            if bound >= microbatches * max(cost, 1.0):
+                assert len(weights) == 1, (name, s, format_actions(actions))
+        assert [max_held(a) for a in unsplit] == [max_in_flight(a) for a in unsplit]
+
+
+def test_hold_for_weighs_activations_against_the_weights():
+    mib = 1 << 20
+    # small activations beside the weights: hold the batch for one W
+    assert hold_for(256 * mib, held_bytes=8 * mib, kept_bytes=8 * mib, num_microbatches=8) == Holding(8.0, 1.0)
+    assert hold_for(256 * mib, held_bytes=16 * mib, kept_bytes=8 * mib, num_microbatches=8) == Holding(8.0, 2.0)
+    # activations that dominate: the schedule's own bound, each held micro-batch at its cost
+    assert hold_for(4 * mib, held_bytes=64 * mib, kept_bytes=32 * mib, num_microbatches=8) == Holding(None, 2.0)
+    # the last stage keeps nothing between its forward and its I: cost 1
+    assert hold_for(4 * mib, held_bytes=64 * mib, kept_bytes=None, num_microbatches=8) == Holding(None, 1.0)
+    # a few MiB in all are held whatever the weights (a W per micro-batch would save nothing that matters)
+    assert hold_for(64 << 10, held_bytes=1 * mib, kept_bytes=1 * mib, num_microbatches=8) == Holding(8.0, 1.0)
+    assert hold_for(64 << 10, held_bytes=4 * mib, kept_bytes=4 * mib, num_microbatches=8) == Holding(4.0, 1.0)
+
+
+def test_gpipe_runs_one_weight_pass_whatever_holding_costs():
+    for cost in (0.5, 1.0, 3.0):
+        for actions in gpipe(3, 4, True, hold={s: Holding(cost=cost) for s in range(3)}):
+            assert [str(a) for a in actions if a.kind is BACKWARD_WEIGHT] == ["W0-3"]
 
 
 def test_zero_bubble_h1_matches_the_diagram():
@@ -118,12 +173,14 @@ def test_both_classic_schedules_take_the_ideal_time(stages, microbatches):
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (2, 8), (4, 8)])
 def test_a_split_backward_shrinks_the_bubble(stages, microbatches):
     # F, I and W one tick each: splitting B = I + W and running W last lets
-    # the later stages' W fill the cool-down, so every split schedule beats
-    # the classic 1F1B.
+    # the later stages' W fill the cool-down.
+    # 1F1B's memory bound may force a W per micro-batch: never slower than
+    # the classic; holding the batch for one W (hold_for) is faster.
     classic = makespan(one_f_one_b(stages, microbatches), DURATIONS)
     for name in SCHEDULES:
         assert makespan(make_schedule(name, stages, microbatches, True), DURATIONS) <= classic
-    assert makespan(one_f_one_b(stages, microbatches, True), DURATIONS) < classic
+    everything = {s: Holding(limit=microbatches) for s in range(stages)}
+    assert makespan(one_f_one_b(stages, microbatches, True, everything), DURATIONS) < classic
 
 
 def test_forward_only():
