@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat
@@ -95,6 +96,15 @@ def why_not_replayable(call) -> str | None:
     return None
 
 
+# Activations whose gradient TensorFlow computes from their output alone
+# (the gradients registered for Relu, Sigmoid and Tanh read op.outputs[0]):
+# the same kernels, given the kept output, give the same gradient.
+_FROM_OUTPUT = {
+    keras.activations.relu: lambda y, dy: tf.raw_ops.ReluGrad(gradients=dy, features=y),
+    keras.activations.sigmoid: lambda y, dy: tf.raw_ops.SigmoidGrad(y=y, dy=dy),
+    keras.activations.tanh: lambda y, dy: tf.raw_ops.TanhGrad(y=y, dy=dy),
+}
+
 # The chain is walked in plain Python while a program is traced: only Keras'
 # own layers are replayed, and they need no conversion by AutoGraph.
 _plain_python = tf.autograph.experimental.do_not_convert
@@ -116,6 +126,10 @@ class Step:
         own = part != "activation" and layer is not None
         self.variables = list(layer.trainable_variables) if own else []
         self.seeds = compat.seed_generators(layer) if own else []
+        # an activation whose gradient TensorFlow takes from its output: the forward keeps the
+        # output (the next step's input, kept anyway) instead of the input (one more tensor)
+        activation = layer.activation if part == "activation" else None
+        self.from_output = next((f for a, f in _FROM_OUTPUT.items() if a is activation), None)
 
     def __call__(self, values: dict, training) -> list:
         if self.part == "activation":
@@ -198,6 +212,8 @@ def forward(steps: list[Step], values: dict, training: bool, keep: bool):
             inputs.append([values[t] for t in step.inputs])
             seeds.append(seed_states(step))
         values.update(zip(step.outputs, step(values, training)))
+        if keep and step.from_output:
+            inputs[-1] = [values[step.outputs[0]]]  # (see Step.from_output)
         activity += _sum(step.own_losses())
     return activity, inputs, seeds
 
@@ -246,6 +262,11 @@ def input_gradient(
             continue
         if step.variables:
             step_grads[k] = outgoing
+        if step.from_output:  # the kept output and its gradient give the input's
+            if step.inputs[0] in needs and outgoing[0] is not None:
+                y = inputs[k][0]
+                _accumulate(grads, step.inputs, [step.from_output(y, tf.cast(outgoing[0], y.dtype))], {})
+            continue
         values = dict(zip(step.inputs, inputs[k]))
         watched = [t for t in step.inputs if t in needs and values[t].dtype.is_floating]
         if not watched:
@@ -315,33 +336,64 @@ def weight_gradients(steps: list[Step], inputs: list, grads: list, activity_scal
     """``W``: the gradients of ``variables`` from every weighted step's inputs and output gradients.
 
     ``inputs[k]``/``grads[k]`` are, for weighted step ``k``, lists over
-    micro-batches (each the step's input tensors / output gradients),
-    concatenated here so that each step's weight gradient is one pass over
-    the batch. A layer called by several steps gets the sum of their
-    gradients.
+    micro-batches (each the step's input tensors / output gradients). Where
+    they are small beside the step's weights (small micro-batches: the cost
+    is writing the weight gradient) they are concatenated, so that each
+    step's weight gradient is one pass over the batch; where they are larger
+    (the cost is the product itself) each micro-batch's gradient is taken
+    alone and summed, so that no copy of the activations is made. A layer
+    called by several steps gets the sum of their gradients.
     """
     total: dict = {}
     for k, step in enumerate(steps):
         if not step.variables or inputs[k] is None:
             continue
-        x = [_concat([mb[j] for mb in inputs[k]]) for j in range(len(step.inputs))]
-        g = [None if grads[k][0][j] is None else _concat([mb[j] for mb in grads[k]]) for j in range(len(step.outputs))]
-        handles = [compat.variable_handle(v) for v in step.variables]
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(handles)
-            outputs = step(dict(zip(step.inputs, x)), True)
-            target = activity_scale * _sum(step.own_losses())
-            for y, gy in zip(outputs, g):
-                if gy is not None:
-                    target += _dot(y, gy)
-        for variable, grad in zip(step.variables, tape.gradient(target, handles)):
-            if grad is None:
-                continue
-            grad = tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) and id(variable) in total else grad
-            total[id(variable)] = (
-                grad if id(variable) not in total else tf.convert_to_tensor(total[id(variable)]) + grad
-            )
+        count = len(inputs[k])
+        groups = [range(count)] if _concatenates(step, inputs[k], grads[k]) else [[i] for i in range(count)]
+        rows = [tf.cast(tf.shape(_first(mb))[0], tf.float32) for mb in inputs[k]]
+        for group in groups:
+            # a layer's activity loss is a mean over the rows of its call: each group weighs its share
+            share = activity_scale if len(groups) == 1 else activity_scale * rows[group[0]] / tf.add_n(rows)
+            x = [_concat([inputs[k][i][j] for i in group]) for j in range(len(step.inputs))]
+            g = [
+                None if grads[k][0][j] is None else _concat([grads[k][i][j] for i in group])
+                for j in range(len(step.outputs))
+            ]
+            handles = [compat.variable_handle(v) for v in step.variables]
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(handles)
+                outputs = step(dict(zip(step.inputs, x)), True)
+                target = share * _sum(step.own_losses())
+                for y, gy in zip(outputs, g):
+                    if gy is not None:
+                        target += _dot(y, gy)
+            for variable, grad in zip(step.variables, tape.gradient(target, handles)):
+                if grad is None:
+                    continue
+                grad = (
+                    tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) and id(variable) in total else grad
+                )
+                total[id(variable)] = (
+                    grad if id(variable) not in total else tf.convert_to_tensor(total[id(variable)]) + grad
+                )
     return [_zeros_if_none(total.get(id(v)), v) for v in variables]
+
+
+def _concatenates(step: Step, inputs: list, grads: list) -> bool:
+    """Whether ``W`` concatenates the micro-batches of a weighted step: their tensors are no larger than its weights."""
+    if len(inputs) == 1:
+        return True
+    sizes = [t.shape.num_elements() for mb in inputs + grads for t in mb if t is not None and hasattr(t, "shape")]
+    if any(size is None for size in sizes):
+        return True
+    weights = sum(int(np.prod(v.shape)) for v in step.variables)
+    return sum(sizes) <= weights
+
+
+def _first(tensors):
+    """The first tensor of a step's inputs (a sparse one's values' count is not its rows: its dense shape)."""
+    tensor = tensors[0]
+    return tf.zeros(tensor.dense_shape[:1], tf.int8) if isinstance(tensor, tf.SparseTensor) else tensor
 
 
 def _concat(parts):
