@@ -7,12 +7,19 @@ Calls go straight to the traced graph of the arguments' shapes (see
 micro-batch's compute. A new shape (a batch padded to another length) is a
 new trace; :data:`SHAPES_WARNED` distinct shapes of one program get a
 warning, as each costs a compilation.
+
+A program returns each tensor once, and none it was given: a tensor it
+returns twice, or one of its own arguments returned (a kept input passed
+on for a later pass), would be a copy of its own under XLA, measured at a
+whole extra buffer each. The returned structure is rebuilt around the
+unique outputs, with the very tensors the caller passed in.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat
@@ -38,11 +45,43 @@ class Program:
         self.eager = eager
         self.name = name
         self.strict = strict  # XLA or nothing: the program draws random numbers its twin programs must redraw
-        self.xla = tf.function(function, jit_compile=True) if jit and not eager else None
-        self.graph = tf.function(function)
+        self.xla = tf.function(self._unique, jit_compile=True) if jit and not eager else None
+        self.graph = tf.function(self._unique)
         self.compiled_with_xla: bool | None = None  # known after the first call
         self._concrete: dict = {}
+        self._layouts: dict = {}  # a trace's key -> (the result's structure, where each leaf comes from)
+        self._traced_layout = None
         self._warned = False
+
+    def _unique(self, *args):
+        """The traced function: returns its result's tensors once each, none of them an argument."""
+        result = self.python(*args)
+        given = {}
+        _walk(args, (), lambda leaf, path: given.setdefault(id(leaf), path) if isinstance(leaf, tf.Tensor) else None)
+        unique, seen, sources = [], {}, []
+
+        def slot(leaf, path):
+            if isinstance(leaf, tf.Tensor) and id(leaf) in given:
+                sources.append((_ARGUMENT, given[id(leaf)]))
+            elif not isinstance(leaf, (tf.Tensor, tf.IndexedSlices, tf.SparseTensor)):
+                sources.append((_CONSTANT, leaf))
+            else:
+                if id(leaf) not in seen:
+                    seen[id(leaf)] = len(unique)
+                    unique.append(leaf)
+                sources.append((_OUTPUT, seen[id(leaf)]))
+            return len(sources) - 1
+
+        self._traced_layout = (_walk(result, (), slot), sources)
+        return unique
+
+    def _rebuild(self, key, args, unique):
+        skeleton, sources = self._layouts[key]
+        values = [
+            unique[where] if kind is _OUTPUT else _at(args, where) if kind is _ARGUMENT else where
+            for kind, where in sources
+        ]
+        return _fill(skeleton, values)
 
     def __call__(self, *args):
         if self.eager:
@@ -53,7 +92,7 @@ class Program:
             concrete = self._trace(key, args)
         flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(args, expand_composites=True) if a is not None]
         if self.xla is None:
-            return compat.call_concrete(concrete, flat)
+            return self._rebuild(key, args, compat.call_concrete(concrete, flat))
         try:
             result = compat.call_concrete(concrete, flat)
         except _XLA_REFUSALS as error:
@@ -73,13 +112,18 @@ class Program:
                 ) from error
             self.xla, self.compiled_with_xla = None, False
             self._concrete.clear()
-            return compat.call_concrete(self._trace(key, args), flat)
+            return self._rebuild(key, args, compat.call_concrete(self._trace(key, args), flat))
         self.compiled_with_xla = True
-        return result
+        return self._rebuild(key, args, result)
 
     def _trace(self, key, args):
         function = self.xla if self.xla is not None else self.graph
+        self._traced_layout = None
         self._concrete[key] = concrete = function.get_concrete_function(*args)
+        if self._traced_layout is not None:
+            self._layouts[key] = self._layouts[id(concrete)] = self._traced_layout
+        else:  # (a trace tf.function had already made)
+            self._layouts[key] = self._layouts[id(concrete)]
         if len(self._concrete) > SHAPES_WARNED and not self._warned:
             self._warned = True
             warnings.warn(
@@ -88,6 +132,38 @@ class Program:
                 stacklevel=3,
             )
         return concrete
+
+
+_OUTPUT, _ARGUMENT, _CONSTANT = "output", "argument", "constant"
+
+
+def _walk(value, path: tuple, leaf):
+    """A skeleton of ``value`` (lists, tuples, named tuples, dicts) with ``leaf(x, path)`` at each leaf."""
+    if isinstance(value, (list, tuple)):
+        children = [_walk(v, path + (i,), leaf) for i, v in enumerate(value)]
+        kind = type(value) if hasattr(value, "_fields") else list if isinstance(value, list) else tuple
+        return ("sequence", kind, children)
+    if isinstance(value, dict):
+        keys = list(value)
+        return ("dict", keys, [_walk(value[k], path + (k,), leaf) for k in keys])
+    return ("leaf", leaf(value, path))
+
+
+def _fill(skeleton, values: list):
+    kind = skeleton[0]
+    if kind == "leaf":
+        return values[skeleton[1]]
+    if kind == "dict":
+        return {k: _fill(child, values) for k, child in zip(skeleton[1], skeleton[2])}
+    children = [_fill(child, values) for child in skeleton[2]]
+    cls = skeleton[1]
+    return cls(*children) if hasattr(cls, "_fields") else cls(children)
+
+
+def _at(value, path: tuple):
+    for step in path:
+        value = value[step]
+    return value
 
 
 def _refused_by_xla(error) -> bool:
@@ -108,3 +184,56 @@ def signature(value):
     if isinstance(value, (int, float, bool, str)):
         return (type(value).__name__, value)
     return (tuple(value.shape), str(value.dtype))
+
+
+class StageProgram:
+    """A stage's :class:`~keras_pipe.programs.Program`, with the value checks XLA would skip.
+
+    Where XLA may compile the program, each id an ``Embedding`` looks up and
+    each label of a sparse cross-entropy is checked against its range, as
+    TensorFlow's own kernels check them without XLA (XLA reads past a table,
+    or gives NaN, silently): the program returns each one's smallest and
+    largest value beside its result, and a value out of range is an
+    ``InvalidArgumentError`` naming it, as the unsplit model's.
+    """
+
+    def __init__(self, compute, key, function, random: bool):
+        self.python = function
+        self.notes: list = []
+        self.checked = compute.jit is not False and not compute.eager
+        jit = compute.jit is True or (compute.jit == "auto" and not (random and compute.draws_random))
+
+        def traced(*args):
+            compute._checks = [] if self.checked else None
+            try:
+                result = function(*args)
+            finally:
+                checks, compute._checks = compute._checks, None
+            if not self.checked:
+                return result
+            self.notes = [note for note, _ in checks]
+            return result, [value for _, value in checks]
+
+        name = key[0] if isinstance(key, tuple) else key
+        strict = random and compute.draws_random and compute.jit is True
+        self.program = Program(
+            traced,
+            jit and compute.jit is not False,
+            compute.eager,
+            f"the {name} program of stage {compute.stage.index}",
+            strict,
+        )
+
+    def __call__(self, *args):
+        result = self.program(*args)
+        if not self.checked:
+            return result
+        result, values = result
+        for (note, low, high), value in zip(self.notes, values):
+            smallest, largest = (int(v) for v in np.asarray(value))
+            if smallest < low or largest >= high:
+                bad = smallest if smallest < low else largest
+                raise tf.errors.InvalidArgumentError(
+                    None, None, f"{note} {bad}, which is outside the valid range [{low}, {high})."
+                )
+        return result
