@@ -10,44 +10,30 @@ stage, received tensors elsewhere) as a list, runs its nodes
 travels as a :class:`Masked` pair.
 
 Each method runs one compiled program per micro-batch (or per batch, for
-``W``; see :mod:`keras_pipe.programs`). Two ways to backpropagate:
-
-- **split** (every node replayable, :mod:`keras_pipe.replay`): ``F`` keeps
-  each step's inputs, ``I`` computes the input gradients alone and keeps
-  each weighted step's output gradients, ``W`` computes the weight
-  gradients of many micro-batches in one pass (:mod:`keras_pipe.update`);
-- **recorded** (any other stage): ``F`` runs under an eager
-  ``tf.GradientTape`` that records the compiled forward as one op, and ``B``
-  runs TensorFlow's gradient of it, keeping the activations the forward
-  kept; weight gradients are added to accumulators.
+``W``; see :mod:`keras_pipe.programs`). The forward is here; the backward,
+split (``I`` then a batched ``W``) or recorded under a tape, is
+:mod:`keras_pipe.backward`; the batched ``W`` and the update are
+:mod:`keras_pipe.update`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat, replay
+from keras_pipe.backward import StageBackward, _distinct_bytes
 from keras_pipe.batchnorm import DeferredBatchNormalization
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.gradients import GradientSum
-from keras_pipe.programs import Program
+from keras_pipe.masked import Masked
+from keras_pipe.programs import StageProgram
 from keras_pipe.update import StageUpdate
 
 RECOMPUTE = ("never", "except_last", "always")
 
 
-class Masked(NamedTuple):
-    """A tensor and the Keras mask that rides with it (``Embedding(mask_zero=True)``, ``Masking``)."""
-
-    tensor: object
-    mask: object
-
-
-class StageCompute(StageUpdate):
+class StageCompute(StageBackward, StageUpdate):
     """The nodes one rank runs and the compiled programs that run them.
 
     Args:
@@ -130,6 +116,9 @@ class StageCompute(StageUpdate):
         self.steps = replay.steps_of(self.calls, first_free) if self.split else []
         self._head_from = self._first_head_step() if self.split else 0
         self._weighted = [k for k, step in enumerate(self.steps) if step.variables]
+        # what one micro-batch holds from its F to its I, and from its I to its W (measured on the first)
+        self.kept_bytes: int | None = None
+        self.held_bytes: int | None = None
         self._programs.clear()
 
     def configure(self, jit, eager: bool) -> None:
@@ -148,10 +137,10 @@ class StageCompute(StageUpdate):
         """Whether the stage's layers hold random generators (dropout, noise, random augmentation)."""
         return bool(self._generator_states)
 
-    def _program(self, key, function, random: bool = False) -> _StageProgram:
+    def _program(self, key, function, random: bool = False) -> StageProgram:
         """The compiled program ``key`` of ``function``; ``random``: it runs the layers in training."""
         if key not in self._programs:
-            self._programs[key] = _StageProgram(self, key, function, random)
+            self._programs[key] = StageProgram(self, key, function, random)
         return self._programs[key]
 
     # -- running the nodes ------------------------------------------------
@@ -263,6 +252,8 @@ class StageCompute(StageUpdate):
 
             outputs, activity, kept, seeds = self._program(("forward", True), keep, random=True)(list(inputs))
             self._kept[i] = (kept, seeds)
+            if self.kept_bytes is None:
+                self.kept_bytes = _distinct_bytes(t for step_inputs in kept for t in step_inputs)
             return outputs, activity
 
         def train(inputs):
@@ -308,169 +299,6 @@ class StageCompute(StageUpdate):
             return program(list(inputs), y, sample_weight)
         return self._recorded(i, program, list(inputs), (y, sample_weight), recompute, lambda out: [out[0], out[3]])
 
-    def _recorded(self, i: int, program, inputs, args: tuple, recompute: bool, differentiated):
-        """Runs ``program(inputs, *args)`` for a recorded backward: under a tape, or keeping only its input.
-
-        ``differentiated(outputs)`` picks the outputs the backward seeds.
-        """
-        if recompute:
-            self._kept[i] = _Rerun(inputs, self._random_state(), program, args, differentiated)
-            return program(inputs, *args)
-        tape = tf.GradientTape()
-        with tape:
-            tape.watch(self._gradient_sources(inputs))
-            outputs = program(inputs, *args)
-        self._kept[i] = (tape, inputs, differentiated(outputs))
-        return outputs
-
-    def _gradient_sources(self, inputs) -> list:
-        """The input tensors whose gradients go back to earlier stages."""
-        sources = []
-        for t, value in zip(self.stage.inputs, inputs):
-            if t in self.gradient_inputs:
-                sources.append(value.tensor if isinstance(value, Masked) else value)
-        return sources
-
-    # -- backward -----------------------------------------------------------
-
-    def forward_backward(self, i: int, loss, inputs, y, sample_weight, coefficients):
-        """Last stage, ``FB`` or ``FI``: ``(weighted loss, term values, predictions, input gradients)``."""
-        if self.split:
-
-            def forward_input(inputs, y, sample_weight, coefficients):
-                values, activity, kept, seeds = self._run(inputs, True, keep=True)
-                terms_out = []
-
-                def head(values):
-                    terms, _ = self._head(loss, values, y, sample_weight)
-                    terms_out.append(terms)
-                    return tf.reduce_sum(terms * coefficients[:-1])
-
-                dx, step_grads = replay.input_gradient(
-                    self.steps,
-                    kept,
-                    seeds,
-                    {},
-                    coefficients[-1],
-                    self.gradient_inputs,
-                    head,
-                    self._head_from,
-                    values,
-                    self.stage.outputs[self.num_sends :],
-                )
-                terms = terms_out[-1]
-                total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
-                return total, terms, self._predictions(values), _filled(dx, inputs, self), self._parts(kept, step_grads)
-
-            total, terms, predictions, dx, parts = self._program(
-                ("forward_input", id(loss)), forward_input, random=True
-            )(list(inputs), y, sample_weight, coefficients)
-            self._for_weights[i] = parts
-            return total, terms, predictions, dx
-
-        def forward_backward(inputs, y, sample_weight, coefficients):
-            sources_in = self._gradient_sources(inputs)
-            with tf.GradientTape() as tape:
-                tape.watch(sources_in)
-                values, activity, _, _ = self._run(inputs, True)
-                terms, _ = self._head(loss, values, y, sample_weight)
-                total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
-            grads = tape.gradient(total, sources_in + self.trainable_variables)
-            dx = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[: len(sources_in)], sources_in)]
-            sparse = self.gradients.add_in_graph(grads[len(sources_in) :])
-            return total, terms, self._predictions(values), dx, sparse
-
-        self.gradients.prepare()
-        total, terms, predictions, dx, sparse = self._program(
-            ("forward_backward", id(loss), self.gradients.empty), forward_backward, random=True
-        )(list(inputs), y, sample_weight, coefficients)
-        self.gradients.added(sparse)
-        return total, terms, predictions, dx
-
-    def backward(self, i: int, grads: list, activity_scale: float):
-        """``B`` (recorded) or ``I`` (split) of micro-batch ``i`` given its outputs' gradients; the input gradients.
-
-        ``grads`` are the gradients of the stage's differentiated outputs, in
-        order (or, last stage under a whole-batch loss, each term's seed).
-        """
-        if self.split:
-            kept, seeds = self._kept.pop(i)
-            outputs = dict(zip(self.gradient_outputs, grads))
-
-            def input_grad(kept, seeds, outputs, activity_scale):
-                dx, step_grads = replay.input_gradient(
-                    self.steps, kept, seeds, outputs, activity_scale, self.gradient_inputs
-                )
-                return _filled_from_kept(dx, kept, self), self._parts(kept, step_grads)
-
-            dx, parts = self._program("input_grad", input_grad, random=True)(
-                kept, seeds, outputs, tf.constant(activity_scale)
-            )
-            self._for_weights[i] = parts
-            return dx if self.gradient_inputs else None
-        kept = self._kept.pop(i)
-        if isinstance(kept, _Rerun):
-            return self._rerun_backward(kept, grads, activity_scale)
-        tape, inputs, outputs = kept
-        sources_in = self._gradient_sources(inputs)
-        sources = sources_in + self.trainable_variables
-        output_grads = list(grads) + [tf.constant(activity_scale, tf.float32)]
-        all_grads = tape.gradient(outputs, sources, output_gradients=output_grads)
-        del tape, outputs  # the activations this micro-batch kept
-        all_grads = [tf.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(all_grads, sources)]
-        self.gradients.add(all_grads[len(sources_in) :])
-        return all_grads[: len(sources_in)] if self.gradient_inputs else None
-
-    def _parts(self, kept, step_grads):
-        """(inputs, output gradients) of each weighted step that got a gradient: what ``W`` needs."""
-        return [(kept[k], step_grads[k]) if step_grads[k] is not None else None for k in self._weighted]
-
-    def _first_head_step(self) -> int:
-        """Last stage: the first step that writes a model output (it and every later one replay with the loss)."""
-        if self.output_structure is None:
-            return len(self.steps)
-        outputs = set(self.stage.outputs[self.num_sends :])
-        positions = [k for k, step in enumerate(self.steps) if outputs & set(step.outputs)]
-        return min(positions) if positions else len(self.steps)
-
-    def _random_state(self) -> list:
-        return [tf.identity(v) for v in self._generator_states]
-
-    def _rerun_backward(self, rerun: _Rerun, grads, activity_scale: float):
-        """``B`` of a recomputed micro-batch, one compiled program: its forward again, then its backward.
-
-        The forward reruns with the random state it first had (the same
-        dropout masks); every other variable a forward may update (batch
-        norm's moving statistics) is put back, so the rerun leaves no trace.
-        The weight gradients go into the accumulators inside the program, so
-        none is materialized beside them.
-        """
-        generators, others = self._generator_states, self._forward_updates
-
-        def rerun_backward(inputs, args, states, grads, activity_scale):
-            now = [tf.identity(v) for v in generators]
-            before = [tf.identity(v) for v in others]
-            for variable, value in zip(generators, states):
-                variable.assign(value)
-            sources_in = self._gradient_sources(inputs)
-            with tf.GradientTape() as tape:
-                tape.watch(sources_in)
-                outputs = rerun.differentiated(rerun.program.python(inputs, *args))
-            all_grads = tape.gradient(
-                outputs, sources_in + self.trainable_variables, output_gradients=list(grads) + [activity_scale]
-            )
-            for variable, value in zip(generators + others, now + before):
-                variable.assign(value)
-            dx = [tf.zeros_like(t) if g is None else g for g, t in zip(all_grads, sources_in)]
-            return dx, self.gradients.add_in_graph(all_grads[len(sources_in) :])
-
-        self.gradients.prepare()
-        dx, sparse = self._program(
-            ("rerun_backward", id(rerun.program), self.gradients.empty), rerun_backward, random=True
-        )(rerun.inputs, rerun.args, rerun.states, list(grads), tf.constant(activity_scale, tf.float32))
-        self.gradients.added(sparse)
-        return dx if self.gradient_inputs else None
-
     # -- the step's bounds -----------------------------------------------------
 
     def begin_step(self) -> None:
@@ -490,72 +318,6 @@ class StageCompute(StageUpdate):
         self.gradients.reset()
 
 
-class _StageProgram:
-    """A stage's :class:`~keras_pipe.programs.Program`, with the value checks XLA would skip.
-
-    Where XLA may compile the program, each id an ``Embedding`` looks up and
-    each label of a sparse cross-entropy is checked against its range, as
-    TensorFlow's own kernels check them without XLA (XLA reads past a table,
-    or gives NaN, silently): the program returns each one's smallest and
-    largest value beside its result, and a value out of range is an
-    ``InvalidArgumentError`` naming it, as the unsplit model's.
-    """
-
-    def __init__(self, compute, key, function, random: bool):
-        self.python = function
-        self.notes: list = []
-        self.checked = compute.jit is not False and not compute.eager
-        jit = compute.jit is True or (compute.jit == "auto" and not (random and compute.draws_random))
-
-        def traced(*args):
-            compute._checks = [] if self.checked else None
-            try:
-                result = function(*args)
-            finally:
-                checks, compute._checks = compute._checks, None
-            if not self.checked:
-                return result
-            self.notes = [note for note, _ in checks]
-            return result, [value for _, value in checks]
-
-        name = key[0] if isinstance(key, tuple) else key
-        strict = random and compute.draws_random and compute.jit is True
-        self.program = Program(
-            traced,
-            jit and compute.jit is not False,
-            compute.eager,
-            f"the {name} program of stage {compute.stage.index}",
-            strict,
-        )
-
-    def __call__(self, *args):
-        result = self.program(*args)
-        if not self.checked:
-            return result
-        result, values = result
-        for (note, low, high), value in zip(self.notes, values):
-            smallest, largest = (int(v) for v in np.asarray(value))
-            if smallest < low or largest >= high:
-                bad = smallest if smallest < low else largest
-                raise tf.errors.InvalidArgumentError(
-                    None, None, f"{note} {bad}, which is outside the valid range [{low}, {high})."
-                )
-        return result
-
-
-class _Rerun(NamedTuple):
-    """What a recomputed micro-batch keeps until its backward: its inputs and the random generators' state.
-
-    Its forward runs again as ``program(inputs, *args)``; ``differentiated`` picks the outputs the backward seeds.
-    """
-
-    inputs: object
-    states: list
-    program: object
-    args: tuple
-    differentiated: object
-
-
 def check_recompute(value) -> None:
     """Refuses an unknown ``recompute`` option, naming the accepted ones."""
     if value not in RECOMPUTE:
@@ -563,23 +325,6 @@ def check_recompute(value) -> None:
             f"recompute={value!r}: give one of {', '.join(map(repr, RECOMPUTE))} (as torchgpipe's checkpoint: "
             "'always' keeps only each micro-batch's input and reruns its forward during the backward)."
         )
-
-
-def _filled(dx, inputs, compute) -> list:
-    """Input gradients with zeros where nothing in the stage read an input."""
-    like = dict(zip(compute.stage.inputs, inputs))
-    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, compute.gradient_inputs)]
-
-
-def _filled_from_kept(dx, kept, compute) -> list:
-    like = {}
-    for step, step_inputs in zip(compute.steps, kept):
-        like.update(zip(step.inputs, step_inputs))
-    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, compute.gradient_inputs)]
-
-
-def _zeros_like(value):
-    return tf.zeros_like(value.tensor if isinstance(value, Masked) else value)
 
 
 def _unique(items) -> list:

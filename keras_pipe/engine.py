@@ -251,15 +251,26 @@ class Engine:
         GPipe's order whatever the schedule: the last stage must count the
         whole batch's unmasked entries before its first backward.
         """
-        key = (phase, num_microbatches, self.compute.split, whole_batch_loss)
+        compute = self.compute
+        measured = compute.held_bytes is not None
+        key = (phase, num_microbatches, compute.split, whole_batch_loss, measured)
         if key not in self._schedules:
+            hold = None
+            if phase == "train" and compute.split:
+                # What holding a micro-batch for its W costs is estimated from the shapes, or measured
+                # on the first step, which runs each W right after its I; then the schedule holds
+                # what fits (schedule.hold_for).
+                hold = {self.stage: schedule.Holding(cost=float("inf"))}
+                if measured:
+                    weights, held, kept = compute.weight_bytes, compute.held_bytes, compute.kept_bytes
+                    hold = {self.stage: schedule.hold_for(weights, held, kept, num_microbatches)}
             if phase != "train":
                 plan = schedule.forward_only(self.num_stages, num_microbatches)
             elif whole_batch_loss:
-                plan = schedule.gpipe(self.num_stages, num_microbatches, self.compute.split, whole_batch_loss=True)
+                plan = schedule.gpipe(self.num_stages, num_microbatches, compute.split, whole_batch_loss=True)
             else:
-                split = self.compute.split or schedule.needs_split_backward(self.schedule)
-                plan = schedule.make_schedule(self.schedule, self.num_stages, num_microbatches, split)
+                split = compute.split or schedule.needs_split_backward(self.schedule)
+                plan = schedule.make_schedule(self.schedule, self.num_stages, num_microbatches, split, hold)
             actions = plan[self.stage]
             if phase == "train" and not self.compute.split:
                 actions = _unsplit(actions)
@@ -283,6 +294,8 @@ class Engine:
             if (last > first)
             else []
         )
+        if bounds and phase == "train":
+            self.compute.estimate_holding(bounds[0][1] - bounds[0][0])
         whole = phase != "predict" and loss is not None and loss.whole_batch()
         shares = term_weights = None
         if loss is not None and self.is_last:

@@ -8,9 +8,12 @@ both, and it reports every span to the tracer. After the actions, it ends
 the step: weight regularization, the sums over replicas and over the stages
 that hold one weight, the update::
 
-    # 1F1B with a split backward, 2 stages, 4 micro-batches:
+    # 1F1B with a split backward, 2 stages, 4 micro-batches, activations small beside the weights:
     # stage 0: F0 F1 I0 F2 I1 F3 I2 I3 W0-3 [update]
     # stage 1:    FI0 FI1 FI2 FI3 W0-3 [update]
+    # and where they dominate (1F1B's bound: stage s holds P - s micro-batches until their W):
+    # stage 0: F0 F1 I0 W0 F2 I1 W1 F3 I2 I3 W2-3 [update]
+    # stage 1:    FI0 W0 FI1 W1 FI2 W2 FI3 W3 [update]
 
 Example (any compute and links with the same methods will do; the tests
 replay schedules with fakes):

@@ -137,7 +137,7 @@ class MicrobatchLoss:
         TensorFlow's sparse softmax cross-entropy kernel refuses a label
         outside ``[0, classes)``; under XLA it gives NaN silently. The
         program returns the labels' range so that the pipeline refuses them
-        as the unsplit model does (see ``compute._StageProgram``).
+        as the unsplit model does (see ``programs.StageProgram``).
         """
         y_true = self.align(y_true, y_pred)
         ranges = []
