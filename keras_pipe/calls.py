@@ -60,7 +60,12 @@ class CallPreparation:
                 seed_shuffling(engine.world)
             if built_before:
                 _weights.copy_from_first_replica(engine)  # replicas start alike, as Horovod's broadcast does
-        yield arguments
+        stand_ins = stand_in_inputs(model, arguments)
+        object.__setattr__(model, "_stand_in_inputs", stand_ins)
+        try:
+            yield arguments
+        finally:
+            object.__setattr__(model, "_stand_in_inputs", False)
         engine.steps.agree("end", False, 0)
 
     def digest(self, data) -> int:
@@ -96,6 +101,45 @@ def python_step_function(model, step, phase: str):
         return logs
 
     return function
+
+
+def stand_in_inputs(model, arguments: dict) -> bool:
+    """A rank that does not read the model inputs gets zero-width arrays in their place; whether it did.
+
+    Only the first stage reads ``x`` (the labels travel from it to the
+    last), yet Keras' loop converts and holds whatever it is given: every
+    rank would hold a copy of the data set and of each batch. Where ``x``
+    (and the validation data's) are NumPy arrays and the model is built,
+    every other stage gets arrays of shape ``(n, 0)``: the same samples
+    (Keras draws the same batches and shuffles them alike), no bytes. Their
+    shapes are first checked against the model's inputs on every rank, so
+    that a mismatch is the same error everywhere. Datasets and generators
+    are left as they are.
+    """
+    engine = model.engine
+    if engine.stage == 0 or not engine.built or model._source is None:
+        return False
+    sources = [("x", arguments.get("x"))]
+    validation = arguments.get("validation_data")
+    if isinstance(validation, (tuple, list)) and validation:
+        sources.append(("validation_data", validation[0]))
+    if not all(_arrays(x) for _, x in sources):
+        return False
+    for _, x in sources:
+        compat.check_input_shapes(model._source, x)
+    arguments["x"] = _zero_width(arguments["x"])
+    if len(sources) > 1:
+        arguments["validation_data"] = (_zero_width(validation[0]), *validation[1:])
+    return True
+
+
+def _arrays(x) -> bool:
+    leaves = keras.tree.flatten(x) if x is not None else []
+    return bool(leaves) and all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in leaves)
+
+
+def _zero_width(x):
+    return keras.tree.map_structure(lambda a: np.zeros((len(a), 0), np.float32), x)
 
 
 def seed_shuffling(world) -> None:

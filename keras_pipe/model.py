@@ -143,6 +143,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         object.__setattr__(self, "_loss", None)
         object.__setattr__(self, "_from_graph", False)
         object.__setattr__(self, "_input_tensor", None)  # the user's keras.Input, kept as given
+        object.__setattr__(self, "_stand_in_inputs", False)  # this call's x is a zero-width stand-in (calls.py)
         self._stage_layers = []  # tracked by Keras: this rank's layers, hence its weights (see building)
         self._pipeline_input = None
         self._pipeline_logs = None
@@ -263,6 +264,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         conversion), so that data of the wrong shape is the same error on
         every rank, not the first stage's alone.
         """
+        if self._stand_in_inputs:  # (checked once for the call: see calls.stand_in_inputs)
+            return None
         self._build_for(x)
         compat.check_input_shapes(self._source, x)
         if not self.engine.is_first:
