@@ -3,6 +3,7 @@
     python benchmarks/memory.py                          # weights dominate
     python benchmarks/memory.py --workload activations   # activations dominate
     python benchmarks/memory.py --make from_model,unallocated --ranks 4 --recompute never
+    python benchmarks/memory.py --deepest 3.0            # the deepest chain that trains in 3 GiB a process
 
 ``weights``: a model whose weights plus Adam state take several GiB (12 Dense
 layers of 4096 x 4096: 201M parameters, 0.75 GiB of weights, 3 GiB with
@@ -22,6 +23,14 @@ The TensorFlow runtime's fixed cost (a process that imports
 everything and trains a tiny model, once with Sequential and once with
 PipelineModel) is measured too, and subtracted for the comparison with 1/P of
 Sequential's.
+
+``--deepest LIMIT`` answers what a pipeline user asks: how deep a chain of
+``Dense(4096)`` layers (batch 16, Adam) trains when no process may use more
+than ``LIMIT`` GiB. Each depth is tried by training it (two steps), a try
+fitting when every rank's peak resident memory stayed within the limit;
+the deepest fitting depth of ``Sequential`` and of ``PipelineModel`` on each
+``--ranks`` is found by bisection, and shown against ``P`` times
+``Sequential``'s.
 """
 
 from __future__ import annotations
@@ -105,6 +114,43 @@ def launch(
     raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout}\n{out.stderr}")
 
 
+def fits(ranks: int, depth: int, limit: float) -> bool:
+    """Whether a chain of ``depth`` Dense(4096) layers trains with every rank within ``limit`` GiB (by training)."""
+    kind = "sequential" if ranks == 0 else "pipeline"
+    try:
+        peaks, _ = launch(max(ranks, 1), kind, 4096, depth, 16)
+    except RuntimeError:
+        return False  # (killed, out of memory)
+    print(f"  {kind} on {max(ranks, 1)} process(es), {depth} layers: peak {max(peaks):.2f} GiB", flush=True)
+    return max(peaks) <= limit
+
+
+def deepest(ranks: int, limit: float, low: int, high: int) -> int:
+    """The deepest fitting depth, by bisection between a depth that fits (``low``) and one that does not (``high``)."""
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(ranks, middle, limit) else (low, middle)
+    return low
+
+
+def deepest_table(ranks_list: list[int], limit: float) -> None:
+    print(f"the deepest chain of Dense(4096) (batch 16, Adam) that trains with every process within {limit} GiB:")
+    high = 2
+    while fits(0, high, limit):
+        high *= 2
+    sequential = deepest(0, limit, high // 2 if high > 2 else 0, high)
+    rows = [f"{'Sequential, 1 process':<32} {sequential:>6}"]
+    for ranks in ranks_list:
+        low = max(sequential, 1)
+        high = ranks * sequential + ranks + 1
+        while fits(ranks, high, limit):
+            low, high = high, high * 2
+        depth = deepest(ranks, limit, low, high)
+        ratio = depth / (ranks * sequential) if sequential else float("nan")
+        rows.append(f"{f'PipelineModel, {ranks} rank(s)':<32} {depth:>6}   {ratio:.2f} x P x Sequential's")
+    print("\n".join(rows), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Peak memory per rank, PipelineModel beside Sequential.")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="weights")
@@ -115,9 +161,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--recompute", default="never,always", help="never, always or both (the default)")
     parser.add_argument("--make", default="list", help="list, from_model, unallocated, or several with commas")
+    parser.add_argument("--deepest", type=float, metavar="LIMIT", help="GiB per process: the deepest chain that fits")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.width, args.depth, args.batch, args.recompute, args.make)
+    if args.deepest:
+        return deepest_table(list(map(int, args.ranks.split(","))), args.deepest)
     width, depth, batch = WORKLOADS[args.workload]
     params = depth * (width * width + width) + width * 10 + 10
     print(
@@ -127,25 +176,43 @@ def main() -> None:
     )
     runtime_sequential = launch(1, "sequential", 8, 1, 16)[0][0]
     runtime = launch(1, "pipeline", 8, 1, 16)[0][0]
+    # the same, with the workload's data set (no layer between the input and the output)
+    data_sequential = launch(1, "sequential", width, 0, batch)[0][0]
+    data_runtime = launch(1, "pipeline", width, 0, batch)[0][0]
     sequential = launch(1, "sequential", width, depth, batch)[0][0]
     print(
         f"fixed cost per process (a tiny model trained): Sequential {runtime_sequential:.2f} GiB, "
-        f"PipelineModel {runtime:.2f} GiB (TensorFlow, MPI, XLA)"
+        f"PipelineModel {runtime:.2f} GiB (TensorFlow, MPI, XLA); with this workload's data set and Keras' input "
+        f"pipeline: {data_sequential:.2f} and {data_runtime:.2f} GiB"
+    )
+    print(
+        "ratio: the largest peak minus the runtime, against 1/P of Sequential's; model's ratio: each rank's peak "
+        "minus what it holds whatever the model (the runtime; and the data set on the first stage, which reads it, "
+        "as Sequential does), against 1/P of Sequential's peak minus its runtime and data set"
     )
     print(
         f"{'configuration':<40} {'peak RSS per rank (GiB)':<26} {'max - runtime':>13} "
-        f"{'(Seq - runtime)/P':>18} {'ratio':>6}"
+        f"{'(Seq - runtime)/P':>18} {'ratio':>6} {'model per rank':>22} {'share':>6} {'ratio':>6}"
     )
-    print(f"{'Sequential, 1 process':<40} {sequential:<26.2f} {sequential - runtime_sequential:13.2f}")
+    print(
+        f"{'Sequential, 1 process':<40} {sequential:<26.2f} {sequential - runtime_sequential:13.2f}"
+        f"{'':>26} {sequential - data_sequential:22.2f}"
+    )
     for make in args.make.split(","):
         for ranks in map(int, args.ranks.split(",")):
             for recompute in args.recompute.split(","):
                 peaks, made = launch(ranks, "pipeline", width, depth, batch, recompute, make)
                 mine = max(peaks) - runtime
                 ideal = (sequential - runtime_sequential) / ranks
+                model = [p - (data_runtime if rank == 0 else runtime) for rank, p in enumerate(peaks)]
+                share = (sequential - data_sequential) / ranks
                 shown = " ".join(f"{p:.2f}" for p in peaks)
                 name = f"PipelineModel, {ranks} rank(s), {recompute}" + ("" if make == "list" else f", {make}")
-                print(f"{name:<40} {shown:<26} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f}", flush=True)
+                print(
+                    f"{name:<40} {shown:<26} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f} "
+                    f"{' '.join(f'{m:.2f}' for m in model):>22} {share:6.2f} {max(model) / share:6.2f}",
+                    flush=True,
+                )
                 if made is not None:
                     after = " ".join(f"{m:.2f}" for m in made)
                     share = max(made) - runtime

@@ -15,7 +15,14 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
 - ``mlp-b64``: MLP 784 -> 2048x4 -> 10, batch 64 (micro-batches of 16 and 8);
 - ``mlp-b512``: the same MLP at batch 512, m = 8 (micro-batches of 64);
 - ``small``: 64 -> 4 x Dense(128) -> 10, batch 64, one metric: the fixed
-  cost per step and per micro-batch, shown as milliseconds per step.
+  cost per step and per micro-batch, shown as milliseconds per step;
+- ``balanced-b64``, ``balanced-b256``: 1024 -> 8 x Dense(1024) -> 10, which
+  two ranks split into two equal stages (the chain torch's pipelining was
+  measured on in the issues).
+
+``--compare-tree PATH`` runs every PipelineModel configuration a second
+time with the keras_pipe of another checkout (``PATH``, say the last
+release), alternated with this one's: "no step slower" as a ratio of one run.
 
 Configurations: ``keras.Sequential`` with the default ``compile()`` and with
 ``jit_compile=True``, on all cores and on one core; ``PipelineModel`` on one
@@ -39,6 +46,9 @@ WORKLOADS = {
     "mlp-b64": dict(features=784, width=2048, depth=4, batch=64, steps=24, microbatches=(4, 8)),
     "mlp-b512": dict(features=784, width=2048, depth=4, batch=512, steps=6, microbatches=(8,)),
     "small": dict(features=64, width=128, depth=4, batch=64, steps=48, microbatches=(1, 4), metric=True),
+    # the balanced chain of the issues (two equal stages on two ranks), beside torch's pipelining of it
+    "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32, microbatches=(4, 8)),
+    "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12, microbatches=(4,)),
 }
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 # The models of benchmarks/scaling.py and step_spans.py (batch 64, 24 steps per epoch).
@@ -155,6 +165,7 @@ def main():
         "--only", nargs="*", default=None, help="run the configurations whose label contains one of these"
     )
     parser.add_argument("--smoke", action="store_true", help="the small workload, 1 round of 1 epoch, 3 configurations")
+    parser.add_argument("--compare-tree", help="another checkout whose keras_pipe each pipeline row also runs")
     args = parser.parse_args()
     if args.worker:
         args.jit = {"True": True, "False": False}.get(args.jit, "auto")
@@ -169,12 +180,28 @@ def main():
             rows = [row for row in rows if row[0].endswith(("all cores", "1f1b, m=4"))]
         if args.only:
             rows = [row for row in rows if any(text in row[0] for text in args.only)]
-        speeds: dict[str, list[float]] = {label: [] for label, _, _ in rows}
+        trees = [(label, ranks, worker_args, None) for label, ranks, worker_args in rows]
+        if args.compare_tree:
+            other = str(Path(args.compare_tree).resolve())
+            trees += [
+                (f"{label} [other]", ranks, worker_args, {"PYTHONPATH": other})
+                for label, ranks, worker_args in rows
+                if label.startswith("PipelineModel")
+            ]
+        mine = str(Path(__file__).resolve().parent.parent)
+        speeds: dict[str, list[float]] = {label: [] for label, _, _, _ in trees}
         for _ in range(args.rounds):
-            for label, ranks, worker_args in rows:
+            for label, ranks, worker_args, env in trees:
                 common = ["--workload", workload, "--epochs", str(args.epochs)]
-                speeds[label].append(launch(ranks, *worker_args, *common))
-        print_table(workload, spec, {label: statistics.median(values) for label, values in speeds.items()})
+                speeds[label].append(launch(ranks, *worker_args, *common, env=env or {"PYTHONPATH": mine}))
+        median = {label: statistics.median(values) for label, values in speeds.items()}
+        print_table(workload, spec, {k: v for k, v in median.items() if not k.endswith(" [other]")})
+        if args.compare_tree:
+            print(f"this tree against {args.compare_tree} (the same configuration, alternated in this run):")
+            for label, _, _ in rows:
+                if f"{label} [other]" in median:
+                    other = median[f"{label} [other]"]
+                    print(f"  {label:<36} {median[label]:10.1f} vs {other:10.1f}: {median[label] / other:5.2f}x")
 
 
 def print_table(workload: str, spec: dict, median: dict) -> None:
