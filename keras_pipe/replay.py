@@ -368,15 +368,25 @@ def weight_gradients(steps: list[Step], inputs: list, grads: list, activity_scal
                     if gy is not None:
                         target += _dot(y, gy)
             for variable, grad in zip(step.variables, tape.gradient(target, handles)):
-                if grad is None:
-                    continue
-                grad = (
-                    tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) and id(variable) in total else grad
-                )
-                total[id(variable)] = (
-                    grad if id(variable) not in total else tf.convert_to_tensor(total[id(variable)]) + grad
-                )
+                if grad is not None:
+                    total[id(variable)] = _add(total.get(id(variable)), grad)
     return [_zeros_if_none(total.get(id(v)), v) for v in variables]
+
+
+def _add(total, grad):
+    """Two gradients of one weight summed; two sparse ones (an ``Embedding``'s) stay sparse, their slices joined.
+
+    Keras' optimizers update only the rows a sparse gradient names (Adam's
+    slots of the other rows do not decay), so a sum of micro-batches'
+    sparse gradients must stay the sparse gradient of their concatenation.
+    """
+    if total is None:
+        return grad
+    if isinstance(total, tf.IndexedSlices) and isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([total.values, grad.values], 0), tf.concat([total.indices, grad.indices], 0), total.dense_shape
+        )
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
 
 
 def _concatenates(step: Step, inputs: list, grads: list) -> bool:
