@@ -34,6 +34,7 @@ class CallPreparation:
 
     def __init__(self, model):
         self.model = model
+        self.depth = 0  # calls in progress: fit's validation runs evaluate inside it
 
     @contextlib.contextmanager
     def prepare(self, name: str, method, args, kwargs):
@@ -47,6 +48,8 @@ class CallPreparation:
         if name != "predict" and model.compiled:
             compile_checks.check_model(model)
         shared = {key: describe_argument(value) for key, value in arguments.items() if key in COMPARED_ARGUMENTS}
+        if self.depth:  # (inside a call, the other stages' x may be stand-ins: their lengths are compared)
+            shared.update({key: _lengths(arguments.get(key)) for key in ("x", "validation_data")})
         shared["call"] = name
         check_same_everywhere(engine.world, f"the model and the {name}() call", {**model_fingerprint(model), **shared})
         engine.steps.begin_call()
@@ -60,12 +63,14 @@ class CallPreparation:
                 seed_shuffling(engine.world)
             if built_before:
                 _weights.copy_from_first_replica(engine)  # replicas start alike, as Horovod's broadcast does
-        stand_ins = stand_in_inputs(model, arguments)
-        object.__setattr__(model, "_stand_in_inputs", stand_ins)
+        outer = model._stand_in_inputs
+        object.__setattr__(model, "_stand_in_inputs", stand_in_inputs(model, arguments))
+        self.depth += 1
         try:
             yield arguments
         finally:
-            object.__setattr__(model, "_stand_in_inputs", False)
+            self.depth -= 1
+            object.__setattr__(model, "_stand_in_inputs", outer)
         engine.steps.agree("end", False, 0)
 
     def digest(self, data) -> int:
@@ -114,7 +119,8 @@ def stand_in_inputs(model, arguments: dict) -> bool:
     (Keras draws the same batches and shuffles them alike), no bytes. Their
     shapes are first checked against the model's inputs on every rank, so
     that a mismatch is the same error everywhere. Datasets and generators
-    are left as they are.
+    are left as they are; arrays that already are stand-ins (``fit`` passes
+    its validation data on to ``evaluate``) are taken as they are.
     """
     engine = model.engine
     if engine.stage == 0 or not engine.built or model._source is None:
@@ -125,6 +131,8 @@ def stand_in_inputs(model, arguments: dict) -> bool:
         sources.append(("validation_data", validation[0]))
     if not all(_arrays(x) for _, x in sources):
         return False
+    if all(_zero_width_already(x) for _, x in sources):
+        return True
     for _, x in sources:
         compat.check_input_shapes(model._source, x)
     arguments["x"] = _zero_width(arguments["x"])
@@ -136,6 +144,15 @@ def stand_in_inputs(model, arguments: dict) -> bool:
 def _arrays(x) -> bool:
     leaves = keras.tree.flatten(x) if x is not None else []
     return bool(leaves) and all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in leaves)
+
+
+def _lengths(value):
+    """What every rank agrees on about data that may be a stand-in: each array's length."""
+    return keras.tree.map_structure(lambda a: len(a) if hasattr(a, "shape") else describe_argument(a), value)
+
+
+def _zero_width_already(x) -> bool:
+    return all(a.shape[1:] == (0,) for a in keras.tree.flatten(x))
 
 
 def _zero_width(x):
