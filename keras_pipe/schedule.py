@@ -3,7 +3,8 @@
 A schedule says, for each stage, in which order it runs which computation on
 which micro-batch. It holds no tensors and does no communication, so it is
 generated and checked in a single process; :mod:`keras_pipe.executor` walks
-it. Communication follows from the actions: a forward on stage ``s > 0``
+it, and :mod:`keras_pipe.simulator` runs it on an ideal clock (the deadlock
+and completeness checks, the time it takes). Communication follows from the actions: a forward on stage ``s > 0``
 receives activations from ``s - 1``, a forward on stage ``s < last`` sends
 them to ``s + 1``; an action computing an input gradient receives the
 gradient of the stage output from ``s + 1`` (unless ``s`` is last) and sends
@@ -344,65 +345,9 @@ def max_held(actions: list[Action], cost: float = 1.0) -> float:
     return peak
 
 
-# Relative duration of each kind on the simulator's clock: a forward, an
-# input gradient and a weight gradient each cost about one matrix product per
-# layer.
-DURATIONS = {FORWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1, BACKWARD: 2, FORWARD_INPUT: 2, FORWARD_BACKWARD: 3}
-
-
-def simulate(schedule: list[list[Action]], durations: dict | None = None) -> list[list[tuple[int, Action]]]:
-    """Runs a schedule on an ideal clock and returns ``(start tick, action)`` per stage.
-
-    Each action takes ``durations[kind]`` ticks per micro-batch (all 1 by
-    default), sends never block, and an action starts when its stage is free
-    and its inputs have arrived. Raises :class:`PipelineConfigError` showing
-    the stuck actions if the schedule deadlocks, or the stage if it does not
-    run every forward, input gradient and weight gradient exactly once.
-    """
-    durations = durations or {}
-    num_stages = len(schedule)
-    done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"I"/"W", microbatch) -> end tick
-    position = [0] * num_stages
-    free_at = [0] * num_stages
-    timeline: list[list[tuple[int, Action]]] = [[] for _ in range(num_stages)]
-    while any(position[s] < len(schedule[s]) for s in range(num_stages)):
-        progressed = False
-        for s in range(num_stages):
-            if position[s] == len(schedule[s]):
-                continue
-            action = schedule[s][position[s]]
-            deps = [d for i in action.microbatches for d in _dependencies(s, action.kind, i, num_stages)]
-            if all(d in done for d in deps):
-                start = max([free_at[s]] + [done[d] for d in deps])
-                end = start + durations.get(action.kind, 1) * len(action.microbatches)
-                for i in action.microbatches:
-                    for part in _parts(action.kind):
-                        done[(s, part, i)] = end
-                free_at[s] = end
-                timeline[s].append((start, action))
-                position[s] += 1
-                progressed = True
-        if not progressed:
-            raise PipelineConfigError("schedule deadlocks:\n" + _show(schedule, position))
-    _check_complete(schedule)
-    return timeline
-
-
-def makespan(schedule: list[list[Action]], durations: dict | None = None) -> int:
-    """Ticks from the first action's start to the last one's end, on :func:`simulate`'s clock."""
-    durations = durations or {}
-    timeline = simulate(schedule, durations)
-    return max(start + durations.get(a.kind, 1) * len(a.microbatches) for stage in timeline for start, a in stage)
-
-
 def format_actions(actions: list[Action]) -> str:
     """``'F0 F1 B0 B1'``: a stage's actions as in the diagrams above."""
     return " ".join(str(a) for a in actions)
-
-
-def format_schedule(schedule: list[list[Action]], marks: dict | None = None) -> str:
-    """One line per stage; ``marks = {stage: position}`` flags an action with ``<-- ERROR HERE``."""
-    return _show(schedule, [(marks or {}).get(s, -1) for s in range(len(schedule))], "<-- ERROR HERE")
 
 
 def _one_f_one_b_stage(num_stages: int, s: int, m: int, backward: Kind) -> list[Action]:
@@ -452,51 +397,6 @@ def _split(schedule: list[list[Action]], split_backward: bool, holdings: list) -
             split.append(Action(BACKWARD_WEIGHT, tuple(pending)))
         result.append(split)
     return result
-
-
-def _parts(kind: Kind) -> tuple:
-    """What an action completes: its forward ("F"), input gradient ("I") and/or weight gradient ("W")."""
-    return tuple(
-        part for part, has in (("F", kind.forwards), ("I", kind.input_gradient), ("W", kind.weight_gradient)) if has
-    )
-
-
-def _dependencies(stage: int, kind: Kind, i: int, num_stages: int) -> list[tuple[int, str, int]]:
-    deps = []
-    if kind.forwards and stage > 0:
-        deps.append((stage - 1, "F", i))
-    if kind.input_gradient and not kind.forwards:
-        deps.append((stage, "F", i))
-    if kind.input_gradient and stage < num_stages - 1:
-        deps.append((stage + 1, "I", i))
-    if kind is BACKWARD_WEIGHT:
-        deps.append((stage, "I", i))
-    return deps
-
-
-def _check_complete(schedule: list[list[Action]]) -> None:
-    microbatches = range(1 + max((a.microbatch for actions in schedule for a in actions), default=-1))
-    for s, actions in enumerate(schedule):
-        counts = {part: [0] * len(microbatches) for part in "FIW"}
-        for action in actions:
-            for i in action.microbatches:
-                for part in _parts(action.kind):
-                    counts[part][i] += 1
-        forward_only_stage = not any(counts["I"]) and not any(counts["W"])
-        expected = {"F": 1, "I": 0, "W": 0} if forward_only_stage else {"F": 1, "I": 1, "W": 1}
-        for part, count in counts.items():
-            if any(c != expected[part] for c in count):
-                raise PipelineConfigError(
-                    f"stage {s} does not run each micro-batch's {part} once: {format_actions(actions)}"
-                )
-
-
-def _show(schedule: list[list[Action]], position: list[int], mark: str = "<-- STUCK HERE") -> str:
-    lines = []
-    for s, actions in enumerate(schedule):
-        parts = [str(a) + (f" {mark}" if i == position[s] else "") for i, a in enumerate(actions)]
-        lines.append(f"stage {s}: " + " ".join(parts))
-    return "\n".join(lines)
 
 
 def _check(num_stages: int, num_microbatches: int) -> None:

@@ -7,7 +7,6 @@ from keras_pipe.schedule import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
-    DURATIONS,
     FORWARD,
     FORWARD_BACKWARD,
     FORWARD_INPUT,
@@ -15,18 +14,16 @@ from keras_pipe.schedule import (
     Holding,
     act,
     format_actions,
-    format_schedule,
     forward_only,
     gpipe,
     hold_for,
     make_schedule,
-    makespan,
     max_held,
     max_in_flight,
     one_f_one_b,
-    simulate,
     zero_bubble_h1,
 )
+from keras_pipe.simulator import DURATIONS, format_schedule, makespan, simulate
 
 
 def test_one_f_one_b_matches_the_diagram():
