@@ -220,3 +220,12 @@ def test_bad_microbatch_counts_are_refused(bad):
 def test_unknown_schedule():
     with pytest.raises(PipelineConfigError, match="'1f1b', 'gpipe', 'zb-h1'"):
         make_schedule("zigzag", 2, 2)
+
+
+def test_the_docstring_examples():
+    import doctest
+
+    from keras_pipe import schedule, simulator
+
+    for module in (schedule, simulator):
+        assert doctest.testmod(module).failed == 0, module.__name__
