@@ -123,7 +123,7 @@ def stand_in_inputs(model, arguments: dict) -> bool:
     its validation data on to ``evaluate``) are taken as they are.
     """
     engine = model.engine
-    if engine.stage == 0 or not engine.built or model._source is None:
+    if not engine.built or model._source is None:
         return False
     sources = [("x", arguments.get("x"))]
     validation = arguments.get("validation_data")
@@ -131,10 +131,12 @@ def stand_in_inputs(model, arguments: dict) -> bool:
         sources.append(("validation_data", validation[0]))
     if not all(_arrays(x) for _, x in sources):
         return False
-    if all(_zero_width_already(x) for _, x in sources):
+    if engine.stage > 0 and all(_zero_width_already(x) for _, x in sources):
         return True
-    for _, x in sources:
+    for _, x in sources:  # (on every rank, the first stage too: the same error everywhere, at once)
         compat.check_input_shapes(model._source, x)
+    if engine.stage == 0:
+        return False
     arguments["x"] = _zero_width(arguments["x"])
     if len(sources) > 1:
         arguments["validation_data"] = (_zero_width(validation[0]), *validation[1:])
