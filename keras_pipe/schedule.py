@@ -95,10 +95,15 @@ class Holding(NamedTuple):
 
 
 class Action(NamedTuple):
-    """One step of a stage's schedule: ``kind`` on ``microbatches`` (one, except for a batched ``W``)."""
+    """One step of a stage's schedule: ``kind`` on ``microbatches`` (one, except for a batched ``W``).
+
+    ``chunk``: which of the rank's model chunks it runs (0 but in the schedules
+    of :mod:`keras_pipe.virtual`, where a rank holds several virtual stages).
+    """
 
     kind: Kind
     microbatches: tuple
+    chunk: int = 0
 
     @property
     def microbatch(self) -> int:
@@ -107,14 +112,19 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         mbs = self.microbatches
+        where = f"@{self.chunk}" if self.chunk else ""
         if len(mbs) > 1 and list(mbs) == list(range(mbs[0], mbs[-1] + 1)):
-            return f"{self.kind.value}{mbs[0]}-{mbs[-1]}"
-        return self.kind.value + ",".join(map(str, mbs))
+            return f"{self.kind.value}{mbs[0]}-{mbs[-1]}{where}"
+        return self.kind.value + ",".join(map(str, mbs)) + where
 
 
-def act(kind: Kind, *microbatches: int) -> Action:
-    """``act(Kind.FORWARD, 3)``: an action on the given micro-batches."""
-    return Action(kind, tuple(microbatches))
+def act(kind: Kind, *microbatches: int, chunk: int = 0) -> Action:
+    """``act(Kind.FORWARD, 3)``: an action on the given micro-batches (of the rank's ``chunk``).
+
+    >>> str(act(FORWARD, 3)), str(act(BACKWARD_WEIGHT, 0, 1, 2, chunk=1))
+    ('F3', 'W0-2@1')
+    """
+    return Action(kind, tuple(microbatches), chunk)
 
 
 def gpipe(
@@ -199,45 +209,16 @@ def one_f_one_b(
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into I and W, Ws filling the bubbles.
+    """ZB-H1 (Qi et al., 2024): 1F1B's memory, the backward split, each ``W`` where its stage would wait.
 
-    Stage ``s`` holds back the W of its first ``P - s - 1`` micro-batches and
-    runs them in the cool-down, where 1F1B would wait for gradients; its
-    activation memory stays that of 1F1B.
+    See :func:`keras_pipe.zero_bubble.zero_bubble_h1`.
 
-    ```
-    # ZB-H1, 3 stages, 4 micro-batches:
-    # stage 0: F0 F1 F2 I0 F3 I1 W0 I2 W1 I3 W2 W3
-    # stage 1:    F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
-    # stage 2:       FI0 W0 FI1 W1 FI2 W2 FI3 W3
-    ```
-
-    >>> [str(a) for a in zero_bubble_h1(2, 3)[1]]
-    ['FI0', 'W0', 'FI1', 'W1', 'FI2', 'W2']
+    >>> [str(a) for a in zero_bubble_h1(2, 3)[0]]
+    ['F0', 'F1', 'I0', 'W0', 'I1', 'F2', 'W1', 'I2', 'W2']
     """
-    _check(num_stages, num_microbatches)
-    m = num_microbatches
-    schedule = []
-    for s in range(num_stages):
-        held_back = num_stages - s - 1
-        order = (
-            _one_f_one_b_stage(num_stages, s, m, BACKWARD_INPUT)
-            if held_back
-            else [act(FORWARD_INPUT, i) for i in range(m)]
-        )
-        actions, pending, forwards_left = [], [], m
-        for action in order:
-            actions.append(action)
-            if action.kind is FORWARD:
-                forwards_left -= 1
-                continue
-            pending.append(action.microbatch)
-            # steady state: keep `held_back` Ws pending; cool-down (no forward left): one W per I
-            if len(pending) > held_back or (forwards_left == 0 and len(pending) > 1):
-                actions.append(act(BACKWARD_WEIGHT, pending.pop(0)))
-        actions += [act(BACKWARD_WEIGHT, i) for i in pending]
-        schedule.append(actions)
-    return schedule
+    from keras_pipe import zero_bubble
+
+    return zero_bubble.zero_bubble_h1(num_stages, num_microbatches)
 
 
 def forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -373,30 +354,40 @@ def _holdings(hold: dict | None, bounds: list) -> list[Holding]:
 
 
 def _split(schedule: list[list[Action]], split_backward: bool, holdings: list) -> list[list[Action]]:
-    """B -> I and FB -> FI; each stage's W batched over what it holds, within its :class:`Holding`."""
+    """B -> I and FB -> FI; each stage's W batched over what it holds, within its :class:`Holding`.
+
+    A ``W`` runs over one chunk's micro-batches (a chunk's layers are its
+    own): where a rank holds several, what it holds is flushed chunk by chunk.
+    """
     if not split_backward:
         return schedule
     renamed = {BACKWARD: BACKWARD_INPUT, FORWARD_BACKWARD: FORWARD_INPUT}
     result = []
     for actions, (limit, cost) in zip(schedule, holdings):
-        split, in_flight, pending = [], 0, []
-        for action in (Action(renamed.get(a.kind, a.kind), a.microbatches) for a in actions):
+        split: list[Action] = []
+        in_flight, pending = 0, {}  # pending: chunk -> the micro-batches whose I ran, W not yet
+        for action in (Action(renamed.get(a.kind, a.kind), a.microbatches, a.chunk) for a in actions):
+            held = sum(map(len, pending.values()))
             # a forward that would pass the limit runs once the held micro-batches' W freed them
-            if action.kind.forwards and pending and in_flight + cost * len(pending) + 1 > limit + 1e-9:
-                split.append(Action(BACKWARD_WEIGHT, tuple(pending)))
-                pending = []
+            if action.kind.forwards and held and in_flight + cost * held + 1 > limit + 1e-9:
+                split += _weights(pending)
             split.append(action)
             in_flight += action.kind is FORWARD
             if action.kind.input_gradient:
                 in_flight -= action.kind is BACKWARD_INPUT
-                pending.append(action.microbatch)
-                if in_flight + cost * len(pending) > limit + 1e-9:  # (what an I holds for W may cost more)
-                    split.append(Action(BACKWARD_WEIGHT, tuple(pending)))
-                    pending = []
-        if pending:
-            split.append(Action(BACKWARD_WEIGHT, tuple(pending)))
-        result.append(split)
+                pending.setdefault(action.chunk, []).append(action.microbatch)
+                # (what an I holds for W may cost more)
+                if in_flight + cost * sum(map(len, pending.values())) > limit + 1e-9:
+                    split += _weights(pending)
+        result.append(split + _weights(pending))
     return result
+
+
+def _weights(pending: dict) -> list[Action]:
+    """One ``W`` per chunk over its pending micro-batches; ``pending`` is emptied."""
+    weights = [Action(BACKWARD_WEIGHT, tuple(mbs), chunk) for chunk, mbs in pending.items()]
+    pending.clear()
+    return weights
 
 
 def _check(num_stages: int, num_microbatches: int) -> None:

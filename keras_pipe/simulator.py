@@ -32,7 +32,9 @@ from keras_pipe.schedule import (
 DURATIONS = {FORWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1, BACKWARD: 2, FORWARD_INPUT: 2, FORWARD_BACKWARD: 3}
 
 
-def simulate(schedule: list[list[Action]], durations: dict | None = None) -> list[list[tuple[int, Action]]]:
+def simulate(
+    schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None
+) -> list[list[tuple[int, Action]]]:
     """Runs a schedule on an ideal clock and returns ``(start tick, action)`` per stage.
 
     Each action takes ``durations[kind]`` ticks per micro-batch (all 1 by
@@ -40,10 +42,15 @@ def simulate(schedule: list[list[Action]], durations: dict | None = None) -> lis
     and its inputs have arrived. Raises :class:`PipelineConfigError` showing
     the stuck actions if the schedule deadlocks, or the stage if it does not
     run every forward, input gradient and weight gradient exactly once.
+
+    ``placement[r][c]``: the virtual stage that chunk ``c`` of rank ``r`` holds
+    (:mod:`keras_pipe.virtual`; by default rank ``r`` holds stage ``r`` alone).
     """
     durations = durations or {}
+    placement = placement or [[s] for s in range(len(schedule))]
+    num_virtual = sum(map(len, placement))
+    done: dict[tuple[int, str, int], int] = {}  # (virtual stage, "F"/"I"/"W", microbatch) -> end tick
     num_stages = len(schedule)
-    done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"I"/"W", microbatch) -> end tick
     position = [0] * num_stages
     free_at = [0] * num_stages
     timeline: list[list[tuple[int, Action]]] = [[] for _ in range(num_stages)]
@@ -53,27 +60,28 @@ def simulate(schedule: list[list[Action]], durations: dict | None = None) -> lis
             if position[s] == len(schedule[s]):
                 continue
             action = schedule[s][position[s]]
-            deps = [d for i in action.microbatches for d in _dependencies(s, action.kind, i, num_stages)]
+            k = placement[s][action.chunk]
+            deps = [d for i in action.microbatches for d in _dependencies(k, action.kind, i, num_virtual)]
             if all(d in done for d in deps):
                 start = max([free_at[s]] + [done[d] for d in deps])
                 end = start + durations.get(action.kind, 1) * len(action.microbatches)
                 for i in action.microbatches:
                     for part in _parts(action.kind):
-                        done[(s, part, i)] = end
+                        done[(k, part, i)] = end
                 free_at[s] = end
                 timeline[s].append((start, action))
                 position[s] += 1
                 progressed = True
         if not progressed:
             raise PipelineConfigError("schedule deadlocks:\n" + _show(schedule, position))
-    _check_complete(schedule)
+    _check_complete(schedule, placement)
     return timeline
 
 
-def makespan(schedule: list[list[Action]], durations: dict | None = None) -> int:
+def makespan(schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None) -> int:
     """Ticks from the first action's start to the last one's end, on :func:`simulate`'s clock."""
     durations = durations or {}
-    timeline = simulate(schedule, durations)
+    timeline = simulate(schedule, durations, placement)
     return max(start + durations.get(a.kind, 1) * len(a.microbatches) for stage in timeline for start, a in stage)
 
 
@@ -102,21 +110,25 @@ def _dependencies(stage: int, kind: Kind, i: int, num_stages: int) -> list[tuple
     return deps
 
 
-def _check_complete(schedule: list[list[Action]]) -> None:
+def _check_complete(schedule: list[list[Action]], placement: list) -> None:
     microbatches = range(1 + max((a.microbatch for actions in schedule for a in actions), default=-1))
     for s, actions in enumerate(schedule):
-        counts = {part: [0] * len(microbatches) for part in "FIW"}
-        for action in actions:
-            for i in action.microbatches:
-                for part in _parts(action.kind):
-                    counts[part][i] += 1
-        forward_only_stage = not any(counts["I"]) and not any(counts["W"])
-        expected = {"F": 1, "I": 0, "W": 0} if forward_only_stage else {"F": 1, "I": 1, "W": 1}
-        for part, count in counts.items():
-            if any(c != expected[part] for c in count):
-                raise PipelineConfigError(
-                    f"stage {s} does not run each micro-batch's {part} once: {format_actions(actions)}"
-                )
+        for chunk in range(len(placement[s])):
+            _check_chunk(s, chunk, [a for a in actions if a.chunk == chunk], len(microbatches), len(placement[s]) > 1)
+
+
+def _check_chunk(s: int, chunk: int, actions: list, microbatches: int, several: bool) -> None:
+    counts = {part: [0] * microbatches for part in "FIW"}
+    for action in actions:
+        for i in action.microbatches:
+            for part in _parts(action.kind):
+                counts[part][i] += 1
+    forward_only_stage = not any(counts["I"]) and not any(counts["W"])
+    expected = {"F": 1, "I": 0, "W": 0} if forward_only_stage else {"F": 1, "I": 1, "W": 1}
+    for part, count in counts.items():
+        if any(c != expected[part] for c in count):
+            where = f"stage {s}" + (f" chunk {chunk}" if several else "")
+            raise PipelineConfigError(f"{where} does not run each micro-batch's {part} once: {format_actions(actions)}")
 
 
 def _show(schedule: list[list[Action]], position: list[int], mark: str = "<-- STUCK HERE") -> str:
@@ -125,3 +137,37 @@ def _show(schedule: list[list[Action]], position: list[int], mark: str = "<-- ST
         parts = [str(a) + (f" {mark}" if i == position[s] else "") for i, a in enumerate(actions)]
         lines.append(f"stage {s}: " + " ".join(parts))
     return "\n".join(lines)
+
+
+def gantt(schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None) -> str:
+    """A text chart of :func:`simulate`'s run, a character per tick (integer durations).
+
+    ``F``/``I``/``W``/``B`` for chunk 0, lower case for chunk 1 (``f``/``i``/``w``/``b``),
+    digits for chunks 2 and up; fused actions show their parts (``FI`` ->
+    ``F`` then ``I``), ``.`` is a tick the rank waits.
+
+    >>> from keras_pipe.schedule import one_f_one_b
+    >>> print(gantt(one_f_one_b(2, 2), {FORWARD: 1, BACKWARD: 2, FORWARD_BACKWARD: 3}))
+    rank 0 |FF..BB.BB|
+    rank 1 |.FBBFBB..|
+    """
+    durations = durations or {}
+    timeline = simulate(schedule, durations, placement)
+    ends = [start + durations.get(a.kind, 1) * len(a.microbatches) for stage in timeline for start, a in stage]
+    width = int(max(ends, default=0))
+    rows = []
+    for r, stage in enumerate(timeline):
+        row = ["."] * width
+        for start, action in stage:
+            ticks = int(durations.get(action.kind, 1) * len(action.microbatches))
+            letters = "".join(_parts(action.kind)).replace("IW", "B")
+            marks = "".join(letter * int(durations.get(Kind(letter), 1)) for letter in letters)
+            marks *= len(action.microbatches)
+            marks = (marks + marks[-1] * ticks)[:ticks]
+            row[int(start) : int(start) + ticks] = [_mark(letter, action.chunk) for letter in marks]
+        rows.append(f"rank {r} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+def _mark(letter: str, chunk: int) -> str:
+    return letter if chunk == 0 else letter.lower() if chunk == 1 else str(chunk)

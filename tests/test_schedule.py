@@ -111,10 +111,26 @@ def test_gpipe_runs_one_weight_pass_whatever_holding_costs():
 
 def test_zero_bubble_h1_matches_the_diagram():
     assert [format_actions(a) for a in zero_bubble_h1(3, 4)] == [
-        "F0 F1 F2 I0 F3 I1 W0 I2 W1 I3 W2 W3",
-        "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
-        "FI0 W0 FI1 W1 FI2 W2 FI3 W3",
+        "F0 F1 F2 I0 W0 I1 F3 I2 W1-2 I3 W3",
+        "F0 F1 I0 F2 I1 W0 I2 F3 W1-2 I3 W3",
+        "FI0 FI1 FI2 W0-1 FI3 W2-3",
     ]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 7])
+@pytest.mark.parametrize("microbatches", [2, 4, 8, 13])
+def test_zero_bubble_h1_fills_the_bubble_at_1f1b_peak_memory(stages, microbatches):
+    # F, I and W one tick each: 1F1B takes 3 (m + P - 1); ZB-H1's W fill the
+    # warm-up and cool-down, down to the ideal 3m + P - 1 on two stages (an even m).
+    schedule = zero_bubble_h1(stages, microbatches)
+    ticks = makespan(schedule, DURATIONS)
+    assert ticks < makespan(one_f_one_b(stages, microbatches), DURATIONS)
+    assert ticks <= 3 * microbatches + 2 * (stages - 1)
+    if stages == 2 and microbatches % 2 == 0:
+        assert ticks == 3 * microbatches + 1
+    for s, actions in enumerate(schedule):
+        assert max_in_flight(actions) == min(stages - s, microbatches)  # 1F1B's in flight
+        assert max_held(actions) <= min(stages, microbatches)  # 1F1B's peak in all
 
 
 def _parts(actions):

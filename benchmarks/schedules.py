@@ -1,0 +1,74 @@
+"""The schedules side by side on the simulator's clock: a chart, the bubble and the memory of each.
+
+A whole stage's forward, input gradient and weight gradient take 2 ticks
+each; a chunk's (with two chunks a rank) 1. Prints the Markdown of
+``docs/schedules.md`` (``tests/test_virtual.py`` checks the two agree):
+
+    python benchmarks/schedules.py --ranks 4 --microbatches 8 > docs/schedules.md
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from keras_pipe.schedule import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FORWARD_BACKWARD,
+    FORWARD_INPUT,
+    max_held,
+    one_f_one_b,
+    zero_bubble_h1,
+)
+from keras_pipe.simulator import gantt, makespan
+from keras_pipe.virtual import interleaved_one_f_one_b, loop_placement, v_placement
+from keras_pipe.zero_bubble import zero_bubble_v
+
+
+def durations(ticks: int) -> dict:
+    return {FORWARD: ticks, BACKWARD_INPUT: ticks, BACKWARD_WEIGHT: ticks, BACKWARD: 2 * ticks,
+            FORWARD_INPUT: 2 * ticks, FORWARD_BACKWARD: 3 * ticks}  # fmt: skip
+
+
+def report(p: int, m: int) -> str:
+    rows = [
+        ("1F1B", one_f_one_b(p, m), 1, None, "yes"),
+        ("ZB-H1", zero_bubble_h1(p, m), 1, None, "yes"),
+        ("interleaved 1F1B, v = 2", interleaved_one_f_one_b(p, m, 2), 2, loop_placement(p, 2), "not yet"),
+        ("ZB-V", zero_bubble_v(p, m), 2, v_placement(p), "not yet"),
+    ]
+    lines = [
+        f"# Schedules on the simulator's clock: {p} ranks, {m} micro-batches",
+        "",
+        "Made by `python benchmarks/schedules.py` from `keras_pipe.schedule`, `keras_pipe.virtual` and",
+        "`keras_pipe.simulator`: the same plain data the executor walks. A whole stage's forward (F), input",
+        "gradient (I) and weight gradient (W) take 2 ticks each (B = I + W); with two chunks a rank each",
+        "chunk's take 1, chunk 1 in lower case; `.` is a tick the rank waits. Memory: the most micro-batches",
+        "a rank holds from its forward to its weight gradient, in whole-stage micro-batches (chunks count",
+        "half), on the rank that holds the most.",
+        "",
+        "| schedule | ticks | bubble | memory | runs in `PipelineModel` |",
+        "|---|---|---|---|---|",
+    ]
+    charts = []
+    work = 6 * m
+    for name, plan, chunks, placement, runs in rows:
+        ticks = makespan(plan, durations(2 // chunks), placement)
+        held = max(max_held(actions) for actions in plan) / chunks
+        lines.append(f"| {name} | {ticks:g} | {1 - work / ticks:.0%} | {held:g} | {runs} |")
+        charts += ["", f"{name}:", "", "```", gantt(plan, durations(2 // chunks), placement), "```"]
+    return "\n".join(lines + charts) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    args = parser.parse_args()
+    print(report(args.ranks, args.microbatches), end="")
+
+
+if __name__ == "__main__":
+    main()
