@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,9 +42,21 @@ class Launch:
     returncode: int
     output: str
     seconds: float
+    ended: float = 0.0  # time.time() when the job had ended
 
     def lines_with(self, text: str) -> list[str]:
         return [line for line in self.output.splitlines() if text in line]
+
+    def seconds_after(self, marker: str) -> float:
+        """Seconds from when a rank printed ``<marker> <time.time()>`` to the job's end.
+
+        What a test of "ends within N seconds of the failure" must measure: the
+        launch's whole duration also counts the ranks' start (TensorFlow's
+        import), which a loaded machine slows several times over.
+        """
+        found = re.search(rf"{re.escape(marker)} (\d+(?:\.\d+)?)", self.output)
+        assert found, f"no rank printed {marker!r}:\n{self.output}"
+        return self.ended - float(found.group(1))
 
 
 def run_mpi(
@@ -90,4 +103,4 @@ def run_mpi(
         raise AssertionError(
             f"mpirun -n {nprocs} {script} {' '.join(args)} timed out after {timeout} s:\n{output}"
         ) from None
-    return Launch(process.returncode, output, time.monotonic() - start)
+    return Launch(process.returncode, output, time.monotonic() - start, time.time())

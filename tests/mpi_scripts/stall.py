@@ -4,7 +4,8 @@
 second replica, and the first replica's stage 0 waits in the gradient all-reduce.
 
 The others must end within the stall timeout plus a few seconds, reporting
-what every rank was last doing.
+what every rank was last doing; rank 2 prints ``STALLING AT <time.time()>``
+as it stops, for the tests to measure from.
 """
 
 import os
@@ -25,6 +26,7 @@ x, y, _ = data(n=640)
 class Stop(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if RANK == 2 and batch == 5 and mode != "hang-replicas":
+            print(f"STALLING AT {time.time()}", flush=True)
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(3600)
@@ -39,6 +41,7 @@ class HangOnRank2(keras.layers.Layer):
         def maybe_hang(x):
             HangOnRank2.calls += 1
             if RANK == 2 and HangOnRank2.calls >= 10:
+                print(f"STALLING AT {time.time()}", flush=True)
                 time.sleep(3600)
             return x
 
