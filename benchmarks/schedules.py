@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import argparse
 
-from keras_pipe.schedule import (
-    BACKWARD,
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    FORWARD_BACKWARD,
-    FORWARD_INPUT,
-    max_held,
-    one_f_one_b,
-    zero_bubble_h1,
-)
-from keras_pipe.simulator import gantt, makespan
+from keras_pipe.schedule import max_held, one_f_one_b, zero_bubble_h1
+from keras_pipe.simulator import durations_of, gantt, makespan
 from keras_pipe.virtual import interleaved_one_f_one_b, loop_placement, v_placement
 from keras_pipe.zero_bubble import zero_bubble_v
 
 
 def durations(ticks: int) -> dict:
-    return {FORWARD: ticks, BACKWARD_INPUT: ticks, BACKWARD_WEIGHT: ticks, BACKWARD: 2 * ticks,
-            FORWARD_INPUT: 2 * ticks, FORWARD_BACKWARD: 3 * ticks}  # fmt: skip
+    return durations_of(ticks, ticks, ticks)
 
 
 def report(p: int, m: int) -> str:

@@ -183,8 +183,7 @@ class StageBackward:
         last = self.output_structure is not None
         self.kept_bytes, self.held_bytes = (None if last else sum(kept.values())), held
 
-    @property
-    def weight_bytes(self) -> int:
+    def _weight_bytes(self) -> int:
         """The bytes of the stage's trainable weights (what writing their gradients costs once)."""
         return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.trainable_variables)
 

@@ -101,6 +101,7 @@ class StageCompute(StageBackward, StageUpdate):
     def _prepare(self) -> None:
         """What follows from the layers, their trainable flags and the masks: variables, split, steps."""
         self.trainable_variables = _unique(v for layer in self.layers for v in layer.trainable_weights)
+        self.weight_bytes = self._weight_bytes()
         self.gradients = GradientSum(self.trainable_variables, self._program)
         self.has_weight_regularizers = any(
             v.regularizer is not None for layer in self.regularized_layers for v in layer.trainable_weights

@@ -26,10 +26,27 @@ from keras_pipe.schedule import (
     format_actions,
 )
 
+
+def durations_of(forward: float, input_gradient: float, weight_gradient: float) -> dict:
+    """Each kind's duration from those of F, I and W (a fused action takes the sum of its parts).
+
+    >>> durations_of(1, 2, 3)[FORWARD_BACKWARD]
+    6
+    """
+    return {
+        FORWARD: forward,
+        BACKWARD_INPUT: input_gradient,
+        BACKWARD_WEIGHT: weight_gradient,
+        BACKWARD: input_gradient + weight_gradient,
+        FORWARD_INPUT: forward + input_gradient,
+        FORWARD_BACKWARD: forward + input_gradient + weight_gradient,
+    }
+
+
 # Relative duration of each kind on the simulator's clock: a forward, an
 # input gradient and a weight gradient each cost about one matrix product per
 # layer.
-DURATIONS = {FORWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1, BACKWARD: 2, FORWARD_INPUT: 2, FORWARD_BACKWARD: 3}
+DURATIONS = durations_of(1, 1, 1)
 
 
 def simulate(

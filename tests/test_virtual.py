@@ -10,7 +10,6 @@ from keras_pipe.schedule import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
-    FORWARD_BACKWARD,
     FORWARD_INPUT,
     Holding,
     format_actions,
@@ -19,7 +18,7 @@ from keras_pipe.schedule import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from keras_pipe.simulator import DURATIONS, makespan, simulate
+from keras_pipe.simulator import DURATIONS, durations_of, makespan, simulate
 from keras_pipe.virtual import interleaved_one_f_one_b, loop_placement, v_placement
 from keras_pipe.zero_bubble import zero_bubble_v
 
@@ -31,9 +30,7 @@ def _scaled(durations, chunks):
 
 def _random_durations(seed):
     rng = random.Random(seed)
-    f, i, w = (rng.uniform(0.2, 3.0) for _ in range(3))
-    return {FORWARD: f, BACKWARD_INPUT: i, BACKWARD_WEIGHT: w, BACKWARD: i + w, FORWARD_INPUT: f + i,
-            FORWARD_BACKWARD: f + i + w}  # fmt: skip
+    return durations_of(*(rng.uniform(0.2, 3.0) for _ in range(3)))
 
 
 def _check_order(schedule, chunks, microbatches):
