@@ -41,7 +41,7 @@ def test_every_mistake_is_a_clear_error_on_every_rank():
 def test_a_hanging_rank_ends_the_job_with_a_report():
     launch = run_mpi(4, "stall.py", "hang", timeout=180)
     assert launch.returncode != 0, launch.output
-    assert launch.seconds_after("STALLING AT") < 5 + 25, launch.output  # stall_timeout=5
+    assert launch.seconds_after("STALLING AT") < 15 + 25, launch.output  # stall_timeout=15
     assert "PipelineStallError" in launch.output, launch.output
     assert "rank 2: no answer within" in launch.output, launch.output
     report = re.search(r"What each rank was doing:\n((?:  rank \d: .*\n){4})", launch.output)
@@ -53,7 +53,7 @@ def test_a_hanging_rank_ends_the_job_with_a_report():
 def test_a_hanging_replica_ends_the_job_with_a_report_naming_every_rank():
     launch = run_mpi(4, "stall.py", "hang-replicas", timeout=180)
     assert launch.returncode != 0, launch.output
-    assert launch.seconds_after("STALLING AT") < 5 + 25, launch.output
+    assert launch.seconds_after("STALLING AT") < 15 + 25, launch.output
     report = re.search(r"What each rank was doing:\n((?:  rank \d: .*\n){4})", launch.output)
     assert report, launch.output
     assert "rank 2: no answer within" in report.group(1), report.group(1)
@@ -65,6 +65,6 @@ def test_a_hanging_replica_ends_the_job_with_a_report_naming_every_rank():
 def test_a_killed_rank_ends_the_job_within_the_timeout():
     launch = run_mpi(4, "stall.py", "kill", timeout=180)
     assert launch.returncode != 0, launch.output
-    # stall_timeout is 5 s; the launcher or the watchdog ends the others.
-    assert launch.seconds_after("STALLING AT") < 5 + 25, launch.output
+    # stall_timeout is 15 s; the launcher or the watchdog ends the others.
+    assert launch.seconds_after("STALLING AT") < 15 + 25, launch.output
     assert "finished without noticing" not in launch.output

@@ -20,6 +20,9 @@ from common import RANK, compile_args, data, layers
 from keras_pipe import PipelineModel
 
 mode = sys.argv[1]
+# Long enough for a neighbour's first step (tracing, XLA) on four ranks sharing two loaded cores:
+# at 5 s the timeout fired there, before rank 2 stopped.
+STALL_TIMEOUT = 15
 x, y, _ = data(n=640)
 
 
@@ -58,9 +61,9 @@ if mode == "hang-replicas":
     # replica's stage 0 then waits for it in the gradient all-reduce.
     chain = layers()
     chain.insert(1, HangOnRank2())
-    model = PipelineModel(chain, num_microbatches=2, stall_timeout=5, num_stages=2)
+    model = PipelineModel(chain, num_microbatches=2, stall_timeout=STALL_TIMEOUT, num_stages=2)
 else:
-    model = PipelineModel(layers(), num_microbatches=2, stall_timeout=5)
+    model = PipelineModel(layers(), num_microbatches=2, stall_timeout=STALL_TIMEOUT)
 model.compile(**compile_args())
 model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[Stop()])
 print(f"rank {RANK} finished without noticing", flush=True)
