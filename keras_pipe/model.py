@@ -91,6 +91,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             rank.
         stall_timeout: seconds a rank may wait for another before the job
             is ended with a report; default ``KERAS_PIPE_STALL_TIMEOUT`` or 600.
+            The first step's waits include the neighbours' tracing and XLA
+            compilation: keep it well above the slowest stage's first step.
         recompute: activation recomputation, as torchgpipe's ``checkpoint``:
             ``"never"`` (default) keeps every node's activations of a
             micro-batch until its backward; ``"always"`` keeps only the
