@@ -398,7 +398,10 @@ def _check(num_stages: int, num_microbatches: int) -> None:
 
 def check_microbatches(num_microbatches) -> None:
     """Raises :class:`PipelineConfigError` unless ``num_microbatches`` is a positive integer."""
-    if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
-        raise PipelineConfigError(
-            f"num_microbatches={num_microbatches!r}: it must be a positive integer (1 means no micro-batching)."
-        )
+    check_count("num_microbatches", num_microbatches, "1 means no micro-batching")
+
+
+def check_count(name: str, value, meaning_of_one: str) -> None:
+    """Raises :class:`PipelineConfigError` unless ``value`` is a positive integer (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PipelineConfigError(f"{name}={value!r}: it must be a positive integer ({meaning_of_one}).")

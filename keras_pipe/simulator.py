@@ -81,7 +81,7 @@ def simulate(
             deps = [d for i in action.microbatches for d in _dependencies(k, action.kind, i, num_virtual)]
             if all(d in done for d in deps):
                 start = max([free_at[s]] + [done[d] for d in deps])
-                end = start + durations.get(action.kind, 1) * len(action.microbatches)
+                end = start + _ticks(action, durations)
                 for i in action.microbatches:
                     for part in _parts(action.kind):
                         done[(k, part, i)] = end
@@ -99,7 +99,7 @@ def makespan(schedule: list[list[Action]], durations: dict | None = None, placem
     """Ticks from the first action's start to the last one's end, on :func:`simulate`'s clock."""
     durations = durations or {}
     timeline = simulate(schedule, durations, placement)
-    return max(start + durations.get(a.kind, 1) * len(a.microbatches) for stage in timeline for start, a in stage)
+    return max(start + _ticks(a, durations) for stage in timeline for start, a in stage)
 
 
 def format_schedule(schedule: list[list[Action]], marks: dict | None = None) -> str:
@@ -170,13 +170,12 @@ def gantt(schedule: list[list[Action]], durations: dict | None = None, placement
     """
     durations = durations or {}
     timeline = simulate(schedule, durations, placement)
-    ends = [start + durations.get(a.kind, 1) * len(a.microbatches) for stage in timeline for start, a in stage]
-    width = int(max(ends, default=0))
+    width = int(max((start + _ticks(a, durations) for stage in timeline for start, a in stage), default=0))
     rows = []
     for r, stage in enumerate(timeline):
         row = ["."] * width
         for start, action in stage:
-            ticks = int(durations.get(action.kind, 1) * len(action.microbatches))
+            ticks = int(_ticks(action, durations))
             letters = "".join(_parts(action.kind)).replace("IW", "B")
             marks = "".join(letter * int(durations.get(Kind(letter), 1)) for letter in letters)
             marks *= len(action.microbatches)
@@ -184,6 +183,11 @@ def gantt(schedule: list[list[Action]], durations: dict | None = None, placement
             row[int(start) : int(start) + ticks] = [_mark(letter, action.chunk) for letter in marks]
         rows.append(f"rank {r} |{''.join(row)}|")
     return "\n".join(rows)
+
+
+def _ticks(action: Action, durations: dict) -> float:
+    """How long ``action`` takes: its kind's duration per micro-batch."""
+    return durations.get(action.kind, 1) * len(action.microbatches)
 
 
 def _mark(letter: str, chunk: int) -> str:

@@ -34,6 +34,7 @@ from keras_pipe.schedule import (
     _holdings,
     _split,
     act,
+    check_count,
     max_in_flight,
     one_f_one_b,
 )
@@ -81,7 +82,7 @@ def interleaved_one_f_one_b(
     ['F0', 'F1', 'FB0@1', 'FB1@1', 'B0', 'B1']
     """
     _check(num_ranks, num_microbatches)
-    _check_chunks(num_chunks)
+    check_count("num_chunks", num_chunks, "1: one stage a rank")
     if num_chunks == 1:  # (Megatron's warm-up counts 2 (P - r - 1) there: one chunk is plain 1F1B)
         return one_f_one_b(num_ranks, num_microbatches, split_backward, hold)
     if num_microbatches % num_ranks:
@@ -124,8 +125,3 @@ def _fuse_last(actions: list[Action], chunk: int) -> list[Action]:
             action = Action(FORWARD_BACKWARD, action.microbatches, chunk)
         fused.append(action)
     return fused
-
-
-def _check_chunks(num_chunks) -> None:
-    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
-        raise PipelineConfigError(f"num_chunks={num_chunks!r}: it must be a positive integer (1: one stage a rank).")

@@ -41,6 +41,7 @@ from keras_pipe.schedule import (
     _check,
     act,
 )
+from keras_pipe.virtual import v_placement
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -86,8 +87,6 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
     >>> [str(a) for a in zero_bubble_v(1, 2)[0]]
     ['F0', 'FI0@1', 'I0', 'W0@1', 'F1', 'W0', 'FI1@1', 'I1', 'W1@1', 'W1']
     """
-    from keras_pipe.virtual import v_placement
-
     _check(num_ranks, num_microbatches)
     p = num_ranks
     return _list_schedule(v_placement(p), num_microbatches, [2 * p] * p, [2 * p] * p)
@@ -104,18 +103,18 @@ def _list_schedule(placement: list, m: int, in_flight_bound: list, held_bound: l
     in_flight, held, free_at = [0] * p, [0] * p, [0] * p
     schedule: list[list[Action]] = [[] for _ in range(p)]
     tick, remaining = 0, sum(3 * m * len(chunks) for chunks in placement)
+    deeper_first = [sorted(range(len(chunks)), key=lambda c, chunks=chunks: -chunks[c]) for chunks in placement]
 
     def arrived(key) -> bool:
         return done.get(key, tick + 1) <= tick
 
     def choose(r):
-        deeper_first = sorted(range(len(placement[r])), key=lambda c: -placement[r][c])
-        for c in deeper_first:  # an I whose gradient arrived (the last stage's I is in its FI)
+        for c in deeper_first[r]:  # an I whose gradient arrived (the last stage's I is in its FI)
             k, i = placement[r][c], next_i[r][c]
             if k != last and i < next_f[r][c] and arrived((k + 1, "I", i)):
                 return BACKWARD_INPUT, c, i
         if in_flight[r] < in_flight_bound[r] and held[r] < held_bound[r]:
-            for c in deeper_first:  # a forward whose input arrived
+            for c in deeper_first[r]:  # a forward whose input arrived
                 k, i = placement[r][c], next_f[r][c]
                 if i < m and (k == 0 or arrived((k - 1, "F", i))):
                     return (FORWARD_INPUT if k == last else FORWARD), c, i
