@@ -15,6 +15,8 @@ substituted once they are imported.
   On several ranks each gets trailing ``Identity`` layers, one stage each.
 - Tests that need torch, jax, grain or scipy's sparse matrices, and trainer
   tests of other models, are left out (deselected).
+- On several ranks each test function runs with its first parameters only
+  (one rank runs every parametrization: mostly eager, graph and XLA).
 - Every test starts from the same random seeds on every rank, so that the
   ranks of ``mpirun -n 2 python -m pytest -p keras_conformance ...`` make
   the same data and the same calls.
@@ -188,6 +190,26 @@ def _in_scope(item) -> bool:
     return bool(uses) and "keras.Model(" not in source and "models.Model(" not in source
 
 
+def _first_of_its_function(item, seen: set) -> bool:
+    """On one rank, every test; on several, each test function with its first parameters only.
+
+    The parameters of Keras' trainer tests are mostly the execution mode
+    (eager, graph, XLA) and step counts: one rank runs them all, and what a
+    second rank adds (the ranks agreeing, data and gradients crossing) is the
+    same for each, at a third of the 2-rank run's time.
+    """
+    if SIZE == 1:
+        return True
+    method = getattr(item.obj, "__func__", item.obj)
+    original = getattr(method, "__wrapped__", None)  # absl's parameterized wraps the test method
+    name = original.__qualname__ if original is not None else item.originalname or item.name
+    function = (item.module.__name__, name)
+    if function in seen:
+        return False
+    seen.add(function)
+    return True
+
+
 def test_id(item) -> str:
     """``sequential_test.py::SequentialTest::test_errors``: a test's id without the installed path."""
     return f"{Path(item.fspath).name}::{item.cls.__name__}::{item.name}" if item.cls else item.nodeid
@@ -204,9 +226,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     expected = expected_failures(SIZE)
-    kept, left_out = [], []
+    kept, left_out, functions = [], [], set()
     for item in items:
-        (kept if _in_scope(item) else left_out).append(item)
+        (kept if _in_scope(item) and _first_of_its_function(item, functions) else left_out).append(item)
     for item in kept:
         reason = expected.get(test_id(item))
         if reason is None:

@@ -6,7 +6,8 @@ the plugin ``tests/keras_conformance.py``, which substitutes the pipeline
 for ``Sequential`` and the trainer tests' module-level models. Each test not
 in ``keras_conformance_expected.txt`` must pass, and each that is must fail
 (on one rank, a strict ``xfail``): the list is what a pipeline cannot honour,
-each with its reason.
+each with its reason. Two ranks run each test function once (its first
+parameters; one rank runs them all): 58 of the 148 tests, a quarter of the time.
 """
 
 import os
@@ -29,7 +30,7 @@ KERAS_TESTS = [
 def run_keras_tests(nprocs: int, directory: Path, timeout: float) -> list[dict]:
     """Runs Keras' tests with the plugin; each rank's results as ``{test: outcome}``."""
     report = directory / ("rank-RANK.xml" if nprocs > 1 else "rank-0.xml")
-    command = [sys.executable, "-m", "pytest", "-p", "keras_conformance", "-q", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-p", "keras_conformance", "-q", "-p", "no:cacheprovider", "-n", "0"]
     command += ["-o", "junit_family=xunit1", "--junitxml", str(report), *map(str, KERAS_TESTS)]
     if nprocs > 1:
         command = [mpirun_path(), "-n", str(nprocs), *command]
@@ -72,4 +73,4 @@ def test_keras_own_tests_pass_against_the_pipeline(nprocs, tmp_path):
         assert other == first, f"rank {rank} saw other results than rank 0"
     passed = sum(outcome == "passed" for outcome in first.values())
     print(f"{passed} of {len(first)} of Keras' tests passed on {nprocs} rank(s)")
-    assert passed >= {1: 140, 2: 132}[nprocs], (passed, len(first))
+    assert passed >= {1: 140, 2: 50}[nprocs], (passed, len(first))

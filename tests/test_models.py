@@ -15,9 +15,11 @@ GRAPHS = ["skip", "multi", "dynamic", "resnet"]
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
 def test_keras_hub_models_equal_the_unsplit_model(nprocs):
     require_keras_hub()
-    # one and two ranks: the encoder and decoder stacks (issue 19's masks); GPT-2 on two ranks
-    # trains again in test_saving.py (resumed there, equal to an uninterrupted run)
-    cases = HUB if nprocs > 2 else ["encoder", "decoder"]
+    # one rank: the encoder and decoder stacks (issue 19's masks, micro-batched); two ranks: BERT's
+    # two Functional models (several inputs, two outputs with a loss each); four ranks: the masks
+    # crossing three boundaries and GPT-2's tied embedding (GPT-2 on two ranks trains again in
+    # test_saving.py, resumed there, equal to an uninterrupted run)
+    cases = {1: ["encoder", "decoder"], 2: ["bert"], 4: ["encoder", "decoder", "gpt2"]}[nprocs]
     launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
     assert launch.returncode == 0, launch.output
     for case in cases:

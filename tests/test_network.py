@@ -38,6 +38,7 @@ def test_replicas_over_loopback_tcp_with_a_host_file(tmp_path):
     launch = run_mpi(
         4,
         "replicas.py",
+        "3",  # micro-batches: m = 1 as well is test_replicas.py's, over shared memory
         timeout=900,
         env={**MPICH_OVER_LOOPBACK_TCP, "EXPECT_PIPELINES": json.dumps([[0, 2], [1, 3]])},
         mpirun_args=("-f", str(hostfile)),

@@ -1,7 +1,8 @@
 """Replicas of a pipeline train as one keras.Sequential on the global batch.
 
-Run as ``mpirun -n W python replicas.py``: for every ``num_stages`` that
-divides ``W`` and leaves at least two replicas, training (with sample
+Run as ``mpirun -n W python replicas.py [M ...]``: for every ``num_stages`` that
+divides ``W`` and leaves at least two replicas and every micro-batch count ``M``
+(default 1 and 3), training (with sample
 weights, regularizers, a validation split and a final batch smaller than the
 number of replicas), evaluate and predict equal single-process Sequential;
 then saving, loading with another layout, shuffling, the replicas'
@@ -59,8 +60,9 @@ def check_same_across_replicas(model, what):
 
 
 checked = 0
+MICROBATCH_COUNTS = [int(m) for m in sys.argv[1:]] or [1, 3]
 for num_stages in [s for s in range(1, SIZE + 1) if SIZE % s == 0 and SIZE // s > 1]:
-    for m in (1, 3):
+    for m in MICROBATCH_COUNTS:
         what = f"{num_stages} stages x {SIZE // num_stages} replicas, m={m}"
         model = PipelineModel(layers(), num_stages=num_stages, num_microbatches=m)
         assert (model.num_stages, model.num_replicas) == (num_stages, SIZE // num_stages), what
