@@ -1,6 +1,9 @@
 """balance="time" under mpirun: every rank computes the same split, and it follows time, not parameters."""
 
+import pytest
 from mpi import run_mpi
+
+pytestmark = pytest.mark.alone  # measures speed (see conftest.py)
 
 
 def test_balance_by_time_moves_work_off_the_convolution_stage():

@@ -6,6 +6,7 @@ import pytest
 from mpi import run_mpi
 
 
+@pytest.mark.alone  # CPU seconds (see conftest.py)
 def test_waiting_ten_seconds_costs_well_under_a_second_of_cpu():
     launch = run_mpi(2, "idle_wait.py", timeout=120, env={"KERAS_PIPE_DEBUG": "1"})
     assert launch.returncode == 0, launch.output

@@ -5,6 +5,8 @@ import re
 import pytest
 from mpi import run_mpi
 
+pytestmark = pytest.mark.alone  # bounds on launch durations (see conftest.py)
+
 
 @pytest.mark.parametrize(
     "where, message",

@@ -23,7 +23,7 @@ CASES = [
 # clipnorm-replicas, 2 stages x 2 replicas; features.py runs on any number of ranks.
 @pytest.mark.parametrize("nprocs", [4])
 def test_features_equal_sequential(nprocs):
-    launch = run_mpi(nprocs, "features.py", *CASES, timeout=600)
+    launch = run_mpi(nprocs, "features.py", *CASES, timeout=900)
     assert launch.returncode == 0, launch.output
     for case in CASES:
         assert launch.output.count(f"FEATURE OK {case} ") == nprocs, (case, launch.output)

@@ -1,6 +1,9 @@
 """A collective method called on some ranks only is an error within seconds, not a stall."""
 
+import pytest
 from mpi import run_mpi
+
+pytestmark = pytest.mark.alone  # bounds on launch durations (see conftest.py)
 
 
 def test_save_on_rank_zero_alone_fails_at_once_naming_the_method(tmp_path):

@@ -22,7 +22,7 @@ def test_readme_gives_exactly_two_commands_and_ci_runs_the_test_one():
 
 def test_demo_trains_on_four_ranks():
     script = ROOT / "examples" / "train_digits.py"
-    launch = run_mpi(4, str(script), "--epochs", "3", timeout=240)
+    launch = run_mpi(4, str(script), "--epochs", "3", timeout=480)
     assert launch.returncode == 0, launch.output
     assert len(launch.lines_with("Epoch 3/3")) == 1, launch.output  # rank 0 alone prints
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", launch.output).group(1))

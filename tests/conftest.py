@@ -1,0 +1,93 @@
+"""The suite runs on two pytest-xdist workers (``-n 2`` in ``setup.cfg``), longest tests first.
+
+A launch of ranks leaves a core idle much of its time (ranks wait on each
+other; TensorFlow's first calls trace and compile one rank after another),
+so two tests at once fill the machine's two cores. What a test measures in
+seconds must not share them: a test marked ``alone`` (a bound on a launch's
+duration, CPU time or measured speed) waits until the other worker's test has
+ended, and no test starts beside it.
+
+Every process the tests start shares one XLA cache on disk (TensorFlow's
+``--tf_xla_persistent_cache_directory``): a program another process already
+compiled from the same HLO is loaded instead of compiled again.
+
+The test files ``LONGEST_FIRST`` names run before the rest (in that order),
+so that no long test starts last on one worker while the other has nothing
+left; ``alone`` tests run at the end, when the test beside them is a short
+one (a worker is given one test at a time: ``--maxschedchunk 1``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+
+import pytest
+
+LONGEST_FIRST = [
+    "test_features.py",
+    "test_models.py",
+    "test_keras_conformance.py",
+    "test_equivalence.py",
+    "test_notebook.py",
+    "test_network.py",
+    "test_saving.py",
+    "test_bad_input.py",
+    "test_callbacks.py",
+    "test_replicas.py",
+    "test_property.py",
+    "test_dropin.py",
+    "test_readme.py",
+    "test_timeline.py",
+]
+
+
+XLA_CACHE = "--tf_xla_persistent_cache_directory"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: measures time; runs with no other test at once under pytest-xdist")
+    if XLA_CACHE not in os.environ.get("TF_XLA_FLAGS", ""):
+        # TensorFlow's own disk cache of XLA programs, for every process the session starts: most
+        # launches compile programs another has compiled (the same test models, the same stages), and
+        # compiling is most of a small model's first steps (the equivalence script's models: 12 s of
+        # a first fit with XLA, 4 without). A program is loaded only where its HLO is the same.
+        directory = tempfile.mkdtemp(prefix="keras_pipe_tests_xla_")
+        os.environ["TF_XLA_FLAGS"] = f"{os.environ.get('TF_XLA_FLAGS', '')} {XLA_CACHE}={directory}".strip()
+        config._keras_pipe_xla_cache = directory  # (the controller's, removed at its end; workers inherit it)
+
+
+def pytest_unconfigure(config):
+    directory = getattr(config, "_keras_pipe_xla_cache", None)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        if item.get_closest_marker("alone") is not None:
+            return len(LONGEST_FIRST) + 1  # last: then the other worker's tests are short ones
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's own order is kept
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_beside_others(request, tmp_path_factory):
+    """A shared lock for every test, an exclusive one for ``alone`` tests; a turnstile lets no test overtake one."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    common = tmp_path_factory.getbasetemp().parent  # the session's, shared by its workers
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(common / "turnstile.lock", "a") as turnstile, open(common / "alone.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
