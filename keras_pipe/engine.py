@@ -252,17 +252,20 @@ class Engine:
         whole batch's unmasked entries before its first backward.
         """
         compute = self.compute
-        hold = None
-        if phase == "train" and compute.split:
-            # What holding a micro-batch for its W costs is estimated from the shapes, or measured
-            # on the first step, which runs each W right after its I; then the schedule holds
-            # what fits (schedule.hold_for). (In the key: compile() may change what is trainable.)
-            hold = {self.stage: schedule.Holding(cost=float("inf"))}
-            if compute.held_bytes is not None:
-                weights, held, kept = compute.weight_bytes, compute.held_bytes, compute.kept_bytes
-                hold = {self.stage: schedule.hold_for(weights, held, kept, num_microbatches)}
-        key = (phase, num_microbatches, compute.split, whole_batch_loss, tuple((hold or {}).items()))
+        # What holding a micro-batch for its W costs is estimated from the shapes, or measured on
+        # the first step, which runs each W right after its I; then the schedule holds what fits
+        # (schedule.hold_for). (In the key: compile() may change what is trainable.)
+        sizes = None
+        if phase == "train" and compute.split and compute.held_bytes is not None:
+            sizes = (compute.weight_bytes, compute.held_bytes, compute.kept_bytes)
+        key = (phase, num_microbatches, compute.split, whole_batch_loss, sizes)
         if key not in self._schedules:
+            hold = None
+            if phase == "train" and compute.split:
+                if sizes is None:
+                    hold = {self.stage: schedule.Holding(cost=float("inf"))}
+                else:
+                    hold = {self.stage: schedule.hold_for(*sizes, num_microbatches)}
             if phase != "train":
                 plan = schedule.forward_only(self.num_stages, num_microbatches)
             elif whole_batch_loss:
