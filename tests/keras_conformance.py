@@ -196,7 +196,7 @@ def _first_of_its_function(item, seen: set) -> bool:
     The parameters of Keras' trainer tests are mostly the execution mode
     (eager, graph, XLA) and step counts: one rank runs them all, and what a
     second rank adds (the ranks agreeing, data and gradients crossing) is the
-    same for each, at a third of the 2-rank run's time.
+    same for each, in a quarter of the 2-rank run's time (116 s against 435 s).
     """
     if SIZE == 1:
         return True
