@@ -512,7 +512,11 @@ class _SharedState:
     def __init__(self):
         self.collectives = 0  # collectives of every rank of the job completed here (see failure.verify)
         self.in_step = False  # inside a step's actions (messages in flight)
-        self.failures: dict[int, list] = {}  # rank -> [collectives, in step, error digest] it announced
+        # rank -> its announcements not yet answered, oldest first: [collectives, in step, error digest] each.
+        # A queue, not the latest: a rank whose collective error is caught and raised anew (a callback
+        # wrapping load_weights' error) announces twice, and its second may arrive while this rank still
+        # hears the first; each round of failure.verify takes one announcement a rank.
+        self.failures: dict[int, list[list]] = {}
         self.answered: set[int] = set()  # failed ranks told that this one went on past their point
         self.failing = False  # this rank is finding out whether the others raised too
         self.asked_by: set[int] = set()  # ranks that asked for this one's status (during a report)
@@ -572,11 +576,11 @@ def note_failures() -> None:
         source = status.Get_source()
         announced = np.empty(3, np.int64)
         world.Recv(announced, source=source, tag=TAG_FAILED)
-        PROCESS.failures[source] = announced.tolist()
+        PROCESS.failures.setdefault(source, []).append(announced.tolist())
     if PROCESS.failing:
         return  # this rank raised too: its own announcement answers
-    for rank, (count, _, _) in list(PROCESS.failures.items()):
-        if rank not in PROCESS.answered and PROCESS.collectives >= count:
+    for rank, announcements in list(PROCESS.failures.items()):
+        if announcements and rank not in PROCESS.answered and PROCESS.collectives >= announcements[0][0]:
             reply = np.array([PROCESS.collectives], np.int64)
             PROCESS.replies.append((world.Isend(reply, dest=rank, tag=TAG_ALIVE), reply))
             PROCESS.answered.add(rank)

@@ -103,13 +103,13 @@ def _hear_from_the_others(world, process, mine, digest) -> tuple[bool, bool]:
         if world.Iprobe(source=MPI.ANY_SOURCE, tag=_comm.TAG_ALIVE, status=status):
             world.Recv(np.empty(1, np.int64), source=status.Get_source(), tag=_comm.TAG_ALIVE)
             break  # a rank went on past this point
-        failed = {r: process.failures[r] for r in range(size) if r != rank and r in process.failures}
+        failed = {r: process.failures[r][0] for r in range(size) if r != rank and process.failures.get(r)}
         if len(failed) == size - 1:
             same_point = all(f[0] == mine[0] for f in failed.values())
             in_step = bool(mine[1]) or any(f[1] for f in failed.values())
             outcome = (same_point and not in_step, all(f[2] == digest for f in failed.values()))
             for r in failed:
-                del process.failures[r]
+                process.failures[r].pop(0)  # this round's; a later one (the error raised anew) stays
             break
         if reporter is not None:
             reporter.answer_status_requests()

@@ -90,6 +90,19 @@ def test_an_error_raised_alike_on_every_rank_is_printed_once():
     assert "every rank of 3 raised this error" in launch.output, launch.output
 
 
+def test_an_error_caught_and_raised_anew_on_every_rank_is_printed_once_not_waited_on():
+    # Two collective failures in a row (load_weights' error on every rank, then the callback's own,
+    # as BackupAndRestore raises on a damaged backup); rank 0 hears the first late, when the second
+    # has arrived too. Each round of the check takes one announcement a rank: had rank 0 taken the
+    # second as the first, it would wait for a second that had come already, until the stall
+    # timeout (this hung a CI run), then abort.
+    launch = run_mpi(3, "early_failure.py", "raised-anew", timeout=180, env={"KERAS_PIPE_STALL_TIMEOUT": "60"})
+    assert launch.returncode != 0, launch.output
+    assert launch.output.count("RuntimeError: could not resume: start without --resume") == 1, launch.output
+    assert "every rank of 3 raised this error" in launch.output, launch.output
+    assert "aborting" not in launch.output, launch.output
+
+
 def test_a_killed_rank_is_named_by_the_survivors():
     # Hydra kills every rank at once when one is killed (nothing can speak then); under
     # a launcher that lets the others run (srun without --kill-on-bad-exit, a wrapper

@@ -1,6 +1,6 @@
 """A rank fails before its first PipelineModel, or every rank raises the same error.
 
-Usage: early_failure.py before-mpi|script|import|after-import|config
+Usage: early_failure.py before-mpi|script|import|after-import|config|raised-anew
 
 ``before-mpi``: rank 1 raises before importing mpi4py (it never joins MPI).
 ``script``: rank 1 raises in the first lines of its script, after mpi4py,
@@ -10,6 +10,12 @@ after importing keras_pipe, before its model (a bad path). The other ranks
 build a model and train: they must end within a minute, with the default
 timeouts, naming rank 1. ``config``: every rank raises the same
 ``PipelineConfigError``, uncaught: it is printed once, by rank 0.
+``raised-anew``: every rank's callback catches ``load_weights``' error (a
+missing file, found by rank 0 and raised on every rank) and raises another
+in its place, as ``BackupAndRestore`` does: two failures announced one after
+the other. Rank 0 hears the first late (as when the OS deschedules it), so the
+second has arrived too; it must still be printed once, never waited on until
+the stall timeout.
 """
 
 import os
@@ -28,14 +34,42 @@ if mode == "script" and RANK == 1:
 if mode == "import" and RANK == 1:
     sys.modules["tensorflow"] = None  # importing TensorFlow now raises ImportError
 
+import keras  # noqa: E402
 from common import compile_args, data, layers  # noqa: E402
 
 import keras_pipe  # noqa: E402
 
 if mode == "after-import" and RANK == 1:
     open("/nonexistent/rank-1/data.npz")  # a typo in a path: FileNotFoundError
+if mode == "raised-anew" and RANK == 0:
+    import time
+
+    from keras_pipe import comm
+
+    hear_failures, heard_late = comm.note_failures, []
+
+    def note_failures_late():
+        if comm.PROCESS.failing and not heard_late:
+            heard_late.append(True)
+            time.sleep(2.0)  # the others' second announcement arrives meanwhile
+        hear_failures()
+
+    comm.note_failures = note_failures_late
+
+
+class ResumeOrExplain(keras.callbacks.Callback):
+    """Loads a checkpoint that is not there; says what to do instead (a second error, raised from the first)."""
+
+    def on_train_begin(self, logs=None):
+        try:
+            self.model.load_weights("/nonexistent/checkpoint.weights.h5")
+        except keras_pipe.PipelineIOError as error:
+            raise RuntimeError("could not resume: start without --resume") from error
+
+
 x, y, _ = data(n=64)
 model = keras_pipe.PipelineModel(layers(), num_microbatches=0 if mode == "config" else 2)
 model.compile(**compile_args())
-model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+callbacks = [ResumeOrExplain()] if mode == "raised-anew" else []
+model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=callbacks)
 print(f"rank {RANK} finished without noticing the failure", flush=True)
