@@ -48,8 +48,8 @@ class CallPreparation:
         if name != "predict" and model.compiled:
             compile_checks.check_model(model)
         shared = {key: describe_argument(value) for key, value in arguments.items() if key in COMPARED_ARGUMENTS}
-        if self.depth:  # (inside a call, the other stages' x may be stand-ins: their lengths are compared)
-            shared.update({key: _lengths(arguments.get(key)) for key in ("x", "validation_data")})
+        if self.depth:  # (inside a call, the other stages' data may be stand-ins: their lengths are compared)
+            shared.update({key: _lengths(arguments.get(key)) for key in ("x", "y", "validation_data")})
         shared["call"] = name
         check_same_everywhere(engine.world, f"the model and the {name}() call", {**model_fingerprint(model), **shared})
         engine.steps.begin_call()
@@ -63,14 +63,17 @@ class CallPreparation:
                 seed_shuffling(engine.world)
             if built_before:
                 _weights.copy_from_first_replica(engine)  # replicas start alike, as Horovod's broadcast does
-        outer = model._stand_in_inputs
-        object.__setattr__(model, "_stand_in_inputs", stand_in_inputs(model, arguments))
+        outer = model._stand_in_inputs, model._stand_in_targets
+        inputs, targets = stand_in_inputs(model, arguments)
+        object.__setattr__(model, "_stand_in_inputs", inputs)
+        object.__setattr__(model, "_stand_in_targets", targets)
         self.depth += 1
         try:
             yield arguments
         finally:
             self.depth -= 1
-            object.__setattr__(model, "_stand_in_inputs", outer)
+            object.__setattr__(model, "_stand_in_inputs", outer[0])
+            object.__setattr__(model, "_stand_in_targets", outer[1])
         engine.steps.agree("end", False, 0)
 
     def digest(self, data) -> int:
@@ -108,39 +111,61 @@ def python_step_function(model, step, phase: str):
     return function
 
 
-def stand_in_inputs(model, arguments: dict) -> bool:
-    """A rank that does not read the model inputs gets zero-width arrays in their place; whether it did.
+def stand_in_inputs(model, arguments: dict) -> tuple[bool, bool]:
+    """A rank that does not read the data gets zero-size arrays in its place: ``(x stood in, y stood in)``.
 
-    Only the first stage reads ``x`` (the labels travel from it to the
-    last), yet Keras' loop converts and holds whatever it is given: every
+    Only the first stage reads ``x`` and ``y`` (the labels travel from it to
+    the last), yet Keras' loop converts and holds whatever it is given: every
     rank would hold a copy of the data set and of each batch. Where ``x``
     (and the validation data's) are NumPy arrays and the model is built,
     every other stage gets arrays of shape ``(n, 0)``: the same samples
     (Keras draws the same batches and shuffles them alike), no bytes. Their
     shapes are first checked against the model's inputs on every rank, so
-    that a mismatch is the same error everywhere. Datasets and generators
-    are left as they are; arrays that already are stand-ins (``fit`` passes
-    its validation data on to ``evaluate``) are taken as they are.
+    that a mismatch is the same error everywhere. The labels, where they
+    are arrays too, become ``(n, 0, *their shape[1:])`` of their dtype: no
+    bytes, yet every rank still knows what the last stage will receive and
+    builds the same loss (:func:`target_likes`). Not with ``class_weight``,
+    which Keras turns into sample weights from the labels on every rank.
+    Sample weights (a number a sample) stay as they are. Datasets and
+    generators are left as they are; arrays that already are stand-ins
+    (``fit`` passes its validation data on to ``evaluate``) are taken as
+    they are.
     """
     engine = model.engine
     if not engine.built or model._source is None:
-        return False
+        return False, False
     sources = [("x", arguments.get("x"))]
     validation = arguments.get("validation_data")
     if isinstance(validation, (tuple, list)) and validation:
         sources.append(("validation_data", validation[0]))
     if not all(_arrays(x) for _, x in sources):
-        return False
+        return False, False
     if engine.stage > 0 and all(_zero_width_already(x) for _, x in sources):
-        return True
+        return True, stood_in(arguments.get("y"))
     for _, x in sources:  # (on every rank, the first stage too: the same error everywhere, at once)
         compat.check_input_shapes(model._source, x)
     if engine.stage == 0:
-        return False
+        return False, False
     arguments["x"] = _zero_width(arguments["x"])
+    targets = arguments.get("class_weight") is None and _arrays(arguments.get("y"))
+    if targets:
+        arguments["y"] = _zero_size(arguments["y"])
     if len(sources) > 1:
-        arguments["validation_data"] = (_zero_width(validation[0]), *validation[1:])
-    return True
+        rest = list(validation[1:])
+        if rest and _arrays(rest[0]):
+            rest[0] = _zero_size(rest[0])
+        arguments["validation_data"] = (_zero_width(validation[0]), *rest)
+    return True, targets
+
+
+def target_likes(y):
+    """Stand-in labels (``(b, 0, *shape)``) as arrays of their whole shape and dtype that hold no bytes.
+
+    What a stage that does not read the labels needs of them: their
+    structure, shapes and dtypes, to build the loss as the last stage does
+    and (on the last stage) to receive the first stage's.
+    """
+    return keras.tree.map_structure(lambda a: np.broadcast_to(np.zeros((), a.dtype), (a.shape[0], *a.shape[2:])), y)
 
 
 def _arrays(x) -> bool:
@@ -159,6 +184,16 @@ def _zero_width_already(x) -> bool:
 
 def _zero_width(x):
     return keras.tree.map_structure(lambda a: np.zeros((len(a), 0), np.float32), x)
+
+
+def _zero_size(y):
+    return keras.tree.map_structure(lambda a: np.zeros((len(a), 0, *a.shape[1:]), a.dtype), y)
+
+
+def stood_in(y) -> bool:
+    """Whether the labels ``y`` are stand-ins (``train_on_batch`` inside ``fit`` gives real ones)."""
+    leaves = keras.tree.flatten(y) if y is not None else []
+    return bool(leaves) and all(isinstance(a, np.ndarray) and a.ndim >= 2 and a.shape[1] == 0 for a in leaves)
 
 
 def seed_shuffling(world) -> None:

@@ -21,7 +21,7 @@ from keras_pipe import compat, compile_checks
 from keras_pipe import cut as cuts
 from keras_pipe import weights as _weights
 from keras_pipe.building import ModelBuilding
-from keras_pipe.calls import CallPreparation, batch_size_of, python_step_function
+from keras_pipe.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
 from keras_pipe.compute import Masked
 from keras_pipe.engine import Engine
 from keras_pipe.errors import PipelineConfigError
@@ -146,6 +146,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         object.__setattr__(self, "_from_graph", False)
         object.__setattr__(self, "_input_tensor", None)  # the user's keras.Input, kept as given
         object.__setattr__(self, "_stand_in_inputs", False)  # this call's x is a zero-width stand-in (calls.py)
+        object.__setattr__(self, "_stand_in_targets", False)  # and its y (calls.stand_in_inputs)
         self._stage_layers = []  # tracked by Keras: this rank's layers, hence its weights (see building)
         self._pipeline_input = None
         self._pipeline_logs = None
@@ -283,6 +284,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         batch_size = batch_size_of(data)
         flat_x = self._inputs(x)
         y = _as_numpy(y)
+        if self._stand_in_targets and stood_in(y):
+            y = target_likes(y)  # (no bytes: their shapes and dtypes only)
         sample_weight = _as_numpy(sample_weight)
         if engine.num_stages > 1 and any(
             isinstance(a, (tf.RaggedTensor, tf.SparseTensor)) for a in keras.tree.flatten((y, sample_weight))

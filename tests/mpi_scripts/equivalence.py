@@ -89,16 +89,62 @@ for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
     assert_close(a, b, f"P={SIZE} shuffled other ranks, weight {i}")
 checked += 1
 
-# Only the first stage reads x: every other rank's Keras loop gets a
-# zero-width stand-in of each array (no copy of the data set, none of a
-# batch), validation data included, and predict as well.
-seen = []
-model.train_step = lambda data, step=model.train_step: seen.append(tuple(data[0].shape)) or step(data)
-model.test_step = lambda data, step=model.test_step: seen.append(tuple(data[0].shape)) or step(data)
-model.fit(x, y, batch_size=32, epochs=1, validation_data=(x_test, y_test), verbose=0)
-width = 0 if model.engine.stage > 0 else x.shape[1]
-assert seen and all(shape[1:] == (width,) for shape in seen), (RANK, sorted(set(seen)))
-assert model.predict(x_test, verbose=0).shape == (len(x_test), 3)
+# Only the first stage reads x and y: every other rank's Keras loop gets a
+# zero-size stand-in of each array (no copy of the data set, none of a
+# batch), validation data included, and predict as well. The labels keep
+# their dtype and shape after the zero, (n, 0, *shape[1:]): each rank builds
+# the same loss from them, and the last stage receives the first one's.
+# Not with class_weight (Keras weighs the samples by their labels on every
+# rank); one-hot labels (float, three numbers a sample) stand in as (n, 0, 3).
+onehot, onehot_test = np.eye(3, dtype="float32")[y], np.eye(3, dtype="float32")[y_test]
+CASES = [
+    ("sparse labels", y, y_test, "sparse_categorical_crossentropy", {}),
+    ("class_weight", y, y_test, "sparse_categorical_crossentropy", {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}),
+    ("one-hot labels", onehot, onehot_test, "categorical_crossentropy", {}),
+]
+
+
+def recording(step, shapes: set):
+    """``step``, noting the trailing shapes of each batch's x and y that Keras hands it."""
+    return lambda data: shapes.add((tuple(data[0].shape[1:]), tuple(data[1].shape[1:]))) or step(data)
+
+
+for what, labels, labels_test, loss, kwargs in CASES:
+    seen = {"train": set(), "test": set()}
+    runs = []
+    for model in (PipelineModel(layers(), num_microbatches=2), keras.Sequential(layers())):
+        model.set_weights(initial)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"], jit_compile=False)
+        if isinstance(model, PipelineModel):
+            model.train_step = recording(model.train_step, seen["train"])
+            model.test_step = recording(model.test_step, seen["test"])
+        fitted = model.fit(
+            x,
+            labels,
+            batch_size=32,
+            epochs=2,
+            shuffle=False,
+            validation_data=(x_test, labels_test),
+            verbose=0,
+            **kwargs,
+        )
+        runs.append((fitted.history, model.get_weights(), model.predict(x_test, verbose=0)))
+    (history, weights, predicted), (expected, expected_weights, expected_pred) = runs
+    for key in expected:
+        assert_close(history[key], expected[key], f"P={SIZE} {what}: history {key}")
+    for i, (a, b) in enumerate(zip(weights, expected_weights)):
+        assert_close(a, b, f"P={SIZE} {what}: weight {i}")
+    assert_close(predicted, expected_pred, f"P={SIZE} {what}: predict")
+    reads = RANK == 0  # (one replica: world rank 0 is the first stage)
+    trailing = labels.shape[1:]
+    stood_in = (0, *trailing)
+    train_y = trailing if reads or kwargs else stood_in
+    wanted = {
+        "train": {((12,) if reads else (0,), train_y)},
+        "test": {((12,) if reads else (0,), trailing if reads else stood_in)},
+    }
+    assert seen == wanted, (RANK, what, seen, wanted)
+    checked += 1
 
 print(f"EQUIVALENCE OK rank {RANK} of {SIZE}: {checked} configurations", flush=True)
 sys.exit(0)
