@@ -63,17 +63,14 @@ class CallPreparation:
                 seed_shuffling(engine.world)
             if built_before:
                 _weights.copy_from_first_replica(engine)  # replicas start alike, as Horovod's broadcast does
-        outer = model._stand_in_inputs, model._stand_in_targets
-        inputs, targets = stand_in_inputs(model, arguments)
-        object.__setattr__(model, "_stand_in_inputs", inputs)
-        object.__setattr__(model, "_stand_in_targets", targets)
+        outer = model._stand_in_inputs
+        object.__setattr__(model, "_stand_in_inputs", stand_in_inputs(model, arguments))
         self.depth += 1
         try:
             yield arguments
         finally:
             self.depth -= 1
-            object.__setattr__(model, "_stand_in_inputs", outer[0])
-            object.__setattr__(model, "_stand_in_targets", outer[1])
+            object.__setattr__(model, "_stand_in_inputs", outer)
         engine.steps.agree("end", False, 0)
 
     def digest(self, data) -> int:
@@ -111,8 +108,8 @@ def python_step_function(model, step, phase: str):
     return function
 
 
-def stand_in_inputs(model, arguments: dict) -> tuple[bool, bool]:
-    """A rank that does not read the data gets zero-size arrays in its place: ``(x stood in, y stood in)``.
+def stand_in_inputs(model, arguments: dict) -> bool:
+    """A rank that does not read the data gets zero-size arrays in its place; whether ``x``'s are.
 
     Only the first stage reads ``x`` and ``y`` (the labels travel from it to
     the last), yet Keras' loop converts and holds whatever it is given: every
@@ -124,8 +121,9 @@ def stand_in_inputs(model, arguments: dict) -> tuple[bool, bool]:
     that a mismatch is the same error everywhere. The labels, where they
     are arrays too, become ``(n, 0, *their shape[1:])`` of their dtype: no
     bytes, yet every rank still knows what the last stage will receive and
-    builds the same loss (:func:`target_likes`). Not with ``class_weight``,
-    which Keras turns into sample weights from the labels on every rank.
+    builds the same loss (:func:`target_likes`; the step tells them by their
+    shape, :func:`stood_in`). Not with ``class_weight``, which Keras turns
+    into sample weights from the labels on every rank.
     Sample weights (a number a sample) stay as they are. Datasets and
     generators are left as they are; arrays that already are stand-ins
     (``fit`` passes its validation data on to ``evaluate``) are taken as
@@ -133,29 +131,28 @@ def stand_in_inputs(model, arguments: dict) -> tuple[bool, bool]:
     """
     engine = model.engine
     if not engine.built or model._source is None:
-        return False, False
+        return False
     sources = [("x", arguments.get("x"))]
     validation = arguments.get("validation_data")
     if isinstance(validation, (tuple, list)) and validation:
         sources.append(("validation_data", validation[0]))
     if not all(_arrays(x) for _, x in sources):
-        return False, False
+        return False
     if engine.stage > 0 and all(_zero_width_already(x) for _, x in sources):
-        return True, stood_in(arguments.get("y"))
+        return True
     for _, x in sources:  # (on every rank, the first stage too: the same error everywhere, at once)
         compat.check_input_shapes(model._source, x)
     if engine.stage == 0:
-        return False, False
+        return False
     arguments["x"] = _zero_width(arguments["x"])
-    targets = arguments.get("class_weight") is None and _arrays(arguments.get("y"))
-    if targets:
+    if arguments.get("class_weight") is None and _arrays(arguments.get("y")):
         arguments["y"] = _zero_size(arguments["y"])
     if len(sources) > 1:
         rest = list(validation[1:])
         if rest and _arrays(rest[0]):
             rest[0] = _zero_size(rest[0])
         arguments["validation_data"] = (_zero_width(validation[0]), *rest)
-    return True, targets
+    return True
 
 
 def target_likes(y):

@@ -146,7 +146,6 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         object.__setattr__(self, "_from_graph", False)
         object.__setattr__(self, "_input_tensor", None)  # the user's keras.Input, kept as given
         object.__setattr__(self, "_stand_in_inputs", False)  # this call's x is a zero-width stand-in (calls.py)
-        object.__setattr__(self, "_stand_in_targets", False)  # and its y (calls.stand_in_inputs)
         self._stage_layers = []  # tracked by Keras: this rank's layers, hence its weights (see building)
         self._pipeline_input = None
         self._pipeline_logs = None
@@ -284,7 +283,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         batch_size = batch_size_of(data)
         flat_x = self._inputs(x)
         y = _as_numpy(y)
-        if self._stand_in_targets and stood_in(y):
+        if self._stand_in_inputs and stood_in(y):  # (not with class_weight; not train_on_batch's y)
             y = target_likes(y)  # (no bytes: their shapes and dtypes only)
         sample_weight = _as_numpy(sample_weight)
         if engine.num_stages > 1 and any(
