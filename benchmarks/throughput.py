@@ -50,7 +50,7 @@ WORKLOADS = {
     "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32, microbatches=(4, 8)),
     "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12, microbatches=(4,)),
 }
-SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1", "auto")
 # The models of benchmarks/scaling.py and step_spans.py (batch 64, 24 steps per epoch).
 MODELS = {"mlp-2048x4": dict(width=2048, depth=4), "deep-512x16": dict(width=512, depth=16)}
 BATCH = 64
@@ -110,8 +110,11 @@ def worker(args):
     times = []
     model.fit(x, y, batch_size=spec["batch"], epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[Timer()])
     speeds = [n / t for t in times[1:]]
+    result = {"samples_per_s": statistics.median(speeds), "all": speeds}
+    if args.schedule == "auto" and args.kind == "pipeline":
+        result["picked"] = model.engine.picker.describe()  # what schedule="auto" trains with, and why
     if MPI.COMM_WORLD.Get_rank() == 0:
-        print("RESULT " + json.dumps({"samples_per_s": statistics.median(speeds), "all": speeds}), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def launch_script(script: Path, ranks, *worker_args, env=None) -> dict:
@@ -129,8 +132,11 @@ def launch_script(script: Path, ranks, *worker_args, env=None) -> dict:
 
 
 def launch(ranks, *worker_args, env=None) -> float:
-    """Samples per second of one configuration."""
-    return launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)["samples_per_s"]
+    """Samples per second of one configuration (printing what ``schedule="auto"`` picked, where it ran)."""
+    result = launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)
+    if "picked" in result:
+        print(f"  {' '.join(worker_args)}: {result['picked']}", flush=True)
+    return result["samples_per_s"]
 
 
 def configurations(workload: str) -> list[tuple[str, int, list[str]]]:

@@ -25,6 +25,7 @@ from keras_pipe import cut as cuts
 from keras_pipe import graph as graphs
 from keras_pipe import probe, schedule
 from keras_pipe.allreduce import ReplicaReducer, TiedReducer
+from keras_pipe.auto import SchedulePicker
 from keras_pipe.compute import Masked, StageCompute, check_recompute
 from keras_pipe.consistency import StepAgreement
 from keras_pipe.devices import check_all_ranks, try_configure_gpus
@@ -85,6 +86,7 @@ class Engine:
         self.recompute = recompute
         self.num_microbatches = num_microbatches
         self.schedule = schedule_name
+        self.picker = SchedulePicker(self.num_stages, num_microbatches) if schedule_name == "auto" else None
         self.balance_option = balance
         self.split_before = list(split_before) if split_before is not None else None
         self.is_first = self.stage == 0
@@ -244,6 +246,10 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------
 
+    def training_schedule(self) -> str:
+        """The schedule the next training step runs: ``schedule``, or what ``"auto"`` runs or has picked."""
+        return self.schedule if self.picker is None else self.picker.current()
+
     def actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool = False) -> list:
         """This stage's actions for a batch of ``num_microbatches`` (resolved once per configuration).
 
@@ -258,7 +264,7 @@ class Engine:
         sizes = None
         if phase == "train" and compute.split and compute.held_bytes is not None:
             sizes = (compute.weight_bytes, compute.held_bytes, compute.kept_bytes)
-        key = (phase, num_microbatches, compute.split, whole_batch_loss, sizes)
+        key = (phase, num_microbatches, compute.split, whole_batch_loss, sizes, self.training_schedule())
         if key not in self._schedules:
             hold = None
             if phase == "train" and compute.split:
@@ -271,8 +277,9 @@ class Engine:
             elif whole_batch_loss:
                 plan = schedule.gpipe(self.num_stages, num_microbatches, compute.split, whole_batch_loss=True)
             else:
-                split = compute.split or schedule.needs_split_backward(self.schedule)
-                plan = schedule.make_schedule(self.schedule, self.num_stages, num_microbatches, split, hold)
+                name = self.training_schedule()
+                split = compute.split or schedule.needs_split_backward(name)
+                plan = schedule.make_schedule(name, self.num_stages, num_microbatches, split, hold)
             actions = plan[self.stage]
             if phase == "train" and not self.compute.split:
                 actions = _unsplit(actions)
@@ -318,7 +325,11 @@ class Engine:
             whole_batch_loss=whole,
         )
         actions = self.actions(phase, len(bounds), whole) if bounds else []
+        began = time.perf_counter()
         result = self.executor.run(actions, batch)
+        if phase == "train" and self.picker is not None and self.picker.record(time.perf_counter() - began):
+            # (collective: every rank has just ended its last timed step)
+            self.picker.decide(self.world.allgather_json(self.picker.times))
         if not self.is_last:
             return result.loss_part, None, None
         outputs = len(self.cut.graph.outputs)

@@ -79,8 +79,11 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             micro-batch and balances time.
         split_before: instead of ``balance``, the names of the nodes that
             start the second, third, ... stage (``summary()`` lists them).
-        schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"zb-h1"`` (see
-            :mod:`keras_pipe.schedule`). All give the same training result. A
+        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"zb-h1"`` (see
+            :mod:`keras_pipe.schedule`) or ``"auto"``: the first ten training
+            steps alternate 1F1B and ZB-H1 and time them, then every rank
+            trains on with the faster (:mod:`keras_pipe.auto`; ``summary()``
+            says which). All give the same training result. A
             model whose output carries a Keras mask, under a mean loss, trains
             in GPipe's order whatever this says (its loss is a mean over the
             whole batch's unmasked entries, counted before any backward).
@@ -413,6 +416,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             f'PipelineModel "{self.name}": {self.num_stages} stages{replicas}, '
             f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
         )
+        if self.engine.picker is not None:
+            print_fn("Schedule " + self.engine.picker.describe())
         for line in summary_lines(self.engine):
             print_fn(line)
         if self.num_stages > 1:

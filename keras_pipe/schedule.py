@@ -236,7 +236,7 @@ def make_schedule(
     splits); ``hold`` maps a stage to its :class:`Holding` (what it may hold
     for a batched ``W``; the schedule's own bound where none is given).
     """
-    check_name(name)
+    check_name(name, auto=False)
     if name == "1f1b":
         return one_f_one_b(num_stages, num_microbatches, split_backward, hold)
     if name == "gpipe":
@@ -277,10 +277,11 @@ def hold_for(
     return Holding(fit * cost if fit else None, cost)
 
 
-def check_name(name) -> None:
-    """Raises :class:`PipelineConfigError` unless ``name`` is a known schedule."""
-    if name not in SCHEDULES:
-        raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(map(repr, SCHEDULES))}.")
+def check_name(name, auto: bool = True) -> None:
+    """Raises :class:`PipelineConfigError` unless ``name`` is a schedule, or ``"auto"`` (:mod:`keras_pipe.auto`)."""
+    known = (*SCHEDULES, "auto") if auto else SCHEDULES
+    if name not in known:
+        raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(map(repr, known))}.")
 
 
 def needs_split_backward(name: str) -> bool:

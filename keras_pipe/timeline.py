@@ -91,6 +91,8 @@ class PipelineTimeline(keras.callbacks.Callback):
         everyone = comm.allgather_json(self.events)
         model = self.model
         m = model.num_microbatches
+        name = model.schedule  # ("auto": what it runs now, after its first timed steps)
+        name = name if model.engine.picker is None else f"auto, {model.engine.training_schedule()}"
         if self.events and self.events[-1]["spans"]:
             m = 1 + max(span[2] for event in self.events for span in event["spans"])
         self.theoretical_bubble = (model.num_stages - 1) / (m + model.num_stages - 1)
@@ -98,9 +100,9 @@ class PipelineTimeline(keras.callbacks.Callback):
         if comm.rank == 0 and any(everyone):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(chrome_trace(everyone)))
-            gantt_chart(everyone, self.path.with_suffix(".png"), model.schedule, m)
+            gantt_chart(everyone, self.path.with_suffix(".png"), name, m)
             print(
-                f"PipelineTimeline: {model.num_stages} stages, {m} micro-batches, {model.schedule}: bubble "
+                f"PipelineTimeline: {model.num_stages} stages, {m} micro-batches, {name}: bubble "
                 f"{100 * self.bubble:.1f}% measured, {100 * self.theoretical_bubble:.1f}% in theory "
                 f"((P - 1) / (m + P - 1)); trace in {self.path}",
                 flush=True,

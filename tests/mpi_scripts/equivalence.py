@@ -22,9 +22,12 @@ CONFIGURATIONS += [(split_layers, 1, "1f1b", "auto")] + [
     (split_layers, 4, s, "auto") for s in ("1f1b", "gpipe", "zb-h1")
 ]
 CONFIGURATIONS += [(split_layers, 2, "1f1b", False)]
+# schedule="auto": its first ten steps alternate 1F1B and ZB-H1, then every rank trains on with the
+# one it picked (the same on every rank); the fit is the same either way.
+CONFIGURATIONS += [(split_layers, 4, "auto", False)]
 # Four ranks train every configuration; one and three ranks (the suite's time: each configuration
 # compiles its programs anew) a subset that together covers each of them once more.
-SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6]}
+SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8]}
 CONFIGURATIONS = [CONFIGURATIONS[i] for i in SUBSETS.get(SIZE, range(len(CONFIGURATIONS)))]
 
 references = {}
@@ -60,6 +63,14 @@ for chain, m, schedule, jit in CONFIGURATIONS:
     assert_close(model.evaluate(x_test, y_test, verbose=0), expected_eval, f"{what} evaluate")
     assert_close(model.predict(x_test, verbose=0), expected_pred, f"{what} predict")
     results[(chain, m, schedule, jit)] = weights
+    if schedule == "auto":
+        picker = model.engine.picker
+        assert picker.picked in ("1f1b", "zb-h1") and picker.steps_left() == 0, (what, picker.describe())
+        assert len(set(model.engine.world.allgather_json(picker.picked))) == 1, (what, "ranks picked apart")
+        lines = []
+        model.summary(print_fn=lines.append)
+        assert RANK or any(line.startswith(f"Schedule auto: {picker.picked} (median step") for line in lines), lines
+        print(f"rank {RANK}: {what}: {picker.describe()}", flush=True) if RANK == 0 else None
     checked += 1
 # Where the memory bound makes 1F1B run W over fewer micro-batches at a time
 # than GPipe, the two sum their weight gradients in other groups: equal to round-off.

@@ -1,0 +1,112 @@
+"""``schedule="auto"``: the training schedule picked by timing the candidates' steps on this job.
+
+Which schedule trains fastest depends on what the simulator cannot see: a
+``W`` batched over several micro-batches (1F1B) pays the work proportional
+to the weights once, a ``W`` a micro-batch (ZB-H1) fills the bubbles but
+pays it ``m`` times and makes smaller matrix products; which of the two
+wins depends on the model, the micro-batch size and the machine (the
+figures in issue 21: at batch 256 ZB-H1 simulates the smaller bubble and
+trains at 0.78x 1F1B's speed). So ``"auto"`` measures instead of guessing:
+its first training steps run the candidates in turn (every step trains,
+and every schedule gives the same result to round-off), then every rank
+takes the schedule whose median timed step was fastest, from the same
+numbers (each step's time is its slowest rank's), so all ranks agree.
+
+The candidates are ``"1f1b"`` and ``"zb-h1"``, both at 1F1B's activation
+memory. ``"gpipe"`` is not one: its bubble is 1F1B's and it holds every
+micro-batch's activations.
+
+>>> picker = SchedulePicker(num_stages=2, num_microbatches=4, warmup=1, timed=1)
+>>> picker.current(), picker.steps_left()
+('1f1b', 4)
+>>> for seconds in (0.9, 0.9, 0.002, 0.001):  # a warm-up step of each, then a timed step of each
+...     if picker.record(seconds):
+...         picked = picker.decide([picker.times])  # every rank's times: one rank here
+>>> picker.describe()
+'auto: zb-h1 (median step 1.0 ms against 1f1b 2.0 ms; simulated bubble 7.7%)'
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from keras_pipe import schedule
+from keras_pipe.simulator import DURATIONS, makespan
+
+CANDIDATES = ("1f1b", "zb-h1")
+WARMUP_ROUNDS = 2  # steps of each candidate before timing: tracing, the first step's W per micro-batch
+TIMED_ROUNDS = 3  # timed steps of each, alternated; the median counts (one step slowed by the machine does not)
+
+
+class SchedulePicker:
+    """Which candidate each of the first training steps runs, their times, and the pick.
+
+    ``current()`` is the schedule of the next training step; ``record(s)``
+    notes its duration and says when the last timed step is in, when the
+    caller gathers every rank's :attr:`times` and calls :meth:`decide`.
+    """
+
+    def __init__(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        candidates=CANDIDATES,
+        warmup: int = WARMUP_ROUNDS,
+        timed: int = TIMED_ROUNDS,
+    ):
+        self.num_stages, self.num_microbatches = num_stages, num_microbatches
+        self.candidates = tuple(candidates)
+        self._warmup = warmup * len(self.candidates)
+        self._plan = list(self.candidates) * (warmup + timed)
+        self._step = 0
+        self.times: dict[str, list[float]] = {name: [] for name in self.candidates}
+        self.typical: dict[str, float] = {}
+        # One stage has no bubble to fill: 1F1B's order is the forward and backward of each micro-batch.
+        self.picked: str | None = self.candidates[0] if num_stages == 1 else None
+
+    def current(self) -> str:
+        """The schedule the next training step runs."""
+        if self.picked:
+            return self.picked
+        return self._plan[self._step] if self._step < len(self._plan) else self.candidates[0]
+
+    def steps_left(self) -> int:
+        return 0 if self.picked else len(self._plan) - self._step
+
+    def record(self, seconds: float) -> bool:
+        """Notes the duration of the step :meth:`current` named; ``True`` once every candidate is timed."""
+        if self.picked:
+            return False
+        if self._step >= self._warmup:
+            self.times[self._plan[self._step]].append(float(seconds))
+        self._step += 1
+        return self._step == len(self._plan)
+
+    def decide(self, everyone: list[dict]) -> str:
+        """Picks from every rank's :attr:`times` (the same lists on every rank give the same pick)."""
+        for name in self.candidates:
+            steps = zip(*(times[name] for times in everyone))
+            self.typical[name] = statistics.median(max(ranks) for ranks in steps)
+        self.picked = min(self.candidates, key=lambda name: (self.typical[name], self.candidates.index(name)))
+        return self.picked
+
+    def describe(self) -> str:
+        """What ``summary()`` says: the pick, the times it came from, and its simulated bubble."""
+        if self.picked is None:
+            timing = " and ".join(self.candidates)
+            return f"auto: not picked yet (the next {self.steps_left()} training steps time {timing})"
+        bubble = simulated_bubble(self.picked, self.num_stages, self.num_microbatches)
+        if not self.typical:
+            return f"auto: {self.picked} (one stage; simulated bubble {100 * bubble:.1f}%)"
+        others = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in self.typical.items() if name != self.picked)
+        return (
+            f"auto: {self.picked} (median step {1e3 * self.typical[self.picked]:.1f} ms against {others}; "
+            f"simulated bubble {100 * bubble:.1f}%)"
+        )
+
+
+def simulated_bubble(name: str, num_stages: int, num_microbatches: int) -> float:
+    """The idle share of the stages' time on the simulator's clock (F, I and W a tick each)."""
+    plan = schedule.make_schedule(name, num_stages, num_microbatches, split_backward=True)
+    busy = sum(DURATIONS[a.kind] * len(a.microbatches) for actions in plan for a in actions)
+    return 1 - busy / (makespan(plan, DURATIONS) * num_stages)
