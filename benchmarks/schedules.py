@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from keras_pipe.schedule import max_held, one_f_one_b, zero_bubble_h1
-from keras_pipe.simulator import durations_of, gantt, makespan
+from keras_pipe.simulator import bubble, durations_of, gantt, makespan
 from keras_pipe.virtual import interleaved_one_f_one_b, loop_placement, v_placement
 from keras_pipe.zero_bubble import zero_bubble_v
 
@@ -42,11 +42,11 @@ def report(p: int, m: int) -> str:
         "|---|---|---|---|---|",
     ]
     charts = []
-    work = 6 * m
     for name, plan, chunks, placement, runs in rows:
         ticks = makespan(plan, durations(2 // chunks), placement)
+        idle = bubble(plan, durations(2 // chunks), placement)
         held = max(max_held(actions) for actions in plan) / chunks
-        lines.append(f"| {name} | {ticks:g} | {1 - work / ticks:.0%} | {held:g} | {runs} |")
+        lines.append(f"| {name} | {ticks:g} | {idle:.0%} | {held:g} | {runs} |")
         charts += ["", f"{name}:", "", "```", gantt(plan, durations(2 // chunks), placement), "```"]
     return "\n".join(lines + charts) + "\n"
 

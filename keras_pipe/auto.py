@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 
 from keras_pipe import schedule
-from keras_pipe.simulator import DURATIONS, makespan
+from keras_pipe.simulator import DURATIONS, bubble
 
 CANDIDATES = ("1f1b", "zb-h1")
 WARMUP_ROUNDS = 2  # steps of each candidate before timing: tracing, the first step's W per micro-batch
@@ -107,6 +107,4 @@ class SchedulePicker:
 
 def simulated_bubble(name: str, num_stages: int, num_microbatches: int) -> float:
     """The idle share of the stages' time on the simulator's clock (F, I and W a tick each)."""
-    plan = schedule.make_schedule(name, num_stages, num_microbatches, split_backward=True)
-    busy = sum(DURATIONS[a.kind] * len(a.microbatches) for actions in plan for a in actions)
-    return 1 - busy / (makespan(plan, DURATIONS) * num_stages)
+    return bubble(schedule.make_schedule(name, num_stages, num_microbatches, split_backward=True), DURATIONS)

@@ -102,6 +102,18 @@ def makespan(schedule: list[list[Action]], durations: dict | None = None, placem
     return max(start + _ticks(a, durations) for stage in timeline for start, a in stage)
 
 
+def bubble(schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None) -> float:
+    """The share of the ranks' time they wait, on :func:`simulate`'s clock (from the first start to the last end).
+
+    >>> from keras_pipe.schedule import one_f_one_b
+    >>> round(bubble(one_f_one_b(2, 4), DURATIONS), 3)  # (P - 1) / (m + P - 1): B takes two ticks, F one
+    0.2
+    """
+    durations = durations or {}
+    busy = sum(_ticks(action, durations) for actions in schedule for action in actions)
+    return 1 - busy / (makespan(schedule, durations, placement) * len(schedule))
+
+
 def format_schedule(schedule: list[list[Action]], marks: dict | None = None) -> str:
     """One line per stage; ``marks = {stage: position}`` flags an action with ``<-- ERROR HERE``."""
     return _show(schedule, [(marks or {}).get(s, -1) for s in range(len(schedule))], "<-- ERROR HERE")

@@ -91,8 +91,8 @@ class PipelineTimeline(keras.callbacks.Callback):
         everyone = comm.allgather_json(self.events)
         model = self.model
         m = model.num_microbatches
-        name = model.schedule  # ("auto": what it runs now, after its first timed steps)
-        name = name if model.engine.picker is None else f"auto, {model.engine.training_schedule()}"
+        picker = model.engine.picker  # ("auto": what it runs now, after its first timed steps)
+        name = model.schedule if picker is None else f"auto, {picker.current()}"
         if self.events and self.events[-1]["spans"]:
             m = 1 + max(span[2] for event in self.events for span in event["spans"])
         self.theoretical_bubble = (model.num_stages - 1) / (m + model.num_stages - 1)
