@@ -74,6 +74,7 @@ class StageCompute(StageBackward, StageUpdate):
         self.gradient_outputs = [c.tensor for c in stage.sends if c.gradient]
         self.num_sends = len(stage.sends)
         self._programs: dict = {}
+        self._groups: dict = {}  # optimizer id -> how its update is cut (update.py)
         self._checks: list | None = None  # while a checked program traces: (note, [min, max]) to verify
         self._kept: dict = {}  # micro-batch -> what its backward needs
         self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
@@ -121,6 +122,7 @@ class StageCompute(StageBackward, StageUpdate):
         self.kept_bytes: int | None = None
         self.held_bytes: int | None = None
         self._programs.clear()
+        self._groups.clear()
 
     def configure(self, jit, eager: bool) -> None:
         """Changes how programs compile (after ``compile()``); forgets the compiled ones.

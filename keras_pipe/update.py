@@ -26,7 +26,8 @@ class StageUpdate:
 
         With an ``optimizer`` (the step's last ``W`` and no replica or other
         stage to wait for) the gradients go straight into its update, in the
-        same program.
+        same program (one a group of weights on a large stage:
+        :meth:`_update_groups`).
         """
         parts = [self._for_weights.pop(i) for i in microbatches]
         if not self.trainable_variables:
@@ -35,33 +36,73 @@ class StageUpdate:
         count = len(self._weighted)
         inputs = [[p[k][0] for p in parts] if parts[0][k] is not None else None for k in range(count)]
         grads = [[p[k][1] for p in parts] if parts[0][k] is not None else None for k in range(count)]
-        weighted = list(self._weighted)
+        scales = (tf.constant(activity_scale, tf.float32), tf.constant(loss_scale, tf.float32))
+        if optimizer is not None and self.gradients.empty:
+            groups = self._update_groups(optimizer)
+            for number, (positions, indices) in enumerate(groups):
+                self._weights_update(optimizer, regularize, number, len(groups), positions, indices)(
+                    [inputs[p] for p in positions], [grads[p] for p in positions], *scales
+                )
+            return
+        weight_grads = self._weight_grads(range(count), range(len(self.trainable_variables)), regularize)
+        result = self._program(("weights", regularize), weight_grads)(inputs, grads, *scales)
+        self.gradients.add(result)
+        if optimizer is not None:
+            self.apply(optimizer)
+
+    def _weight_grads(self, positions, indices, regularize: bool):
+        """The traced ``W`` of the weighted steps at ``positions``: the gradients of the variables at ``indices``."""
+        variables = [self.trainable_variables[i] for i in indices]
+        weighted = [self._weighted[p] for p in positions]
+        whole = len(variables) == len(self.trainable_variables)
+        regularized = self.regularized_layers if whole else _owning(self.regularized_layers, variables)
 
         def weight_grads(inputs, grads, activity_scale, loss_scale):
             full_in, full_g = [None] * len(self.steps), [None] * len(self.steps)
             for position, k in enumerate(weighted):
                 full_in[k], full_g[k] = inputs[position], grads[position]
-            result = replay.weight_gradients(self.steps, full_in, full_g, activity_scale, self.trainable_variables)
+            result = replay.weight_gradients(self.steps, full_in, full_g, activity_scale, variables)
             if regularize:
-                regularizers = self._regularization_gradients()
+                regularizers = self._regularization_gradients(variables, regularized)
                 result = [
                     tf.convert_to_tensor(g) + r * tf.cast(loss_scale, r.dtype) if v.regularizer is not None else g
-                    for g, r, v in zip(result, regularizers, self.trainable_variables)
+                    for g, r, v in zip(result, regularizers, variables)
                 ]
             return result
 
-        scales = (tf.constant(activity_scale, tf.float32), tf.constant(loss_scale, tf.float32))
-        if optimizer is not None and self.gradients.empty:
+        return weight_grads
 
-            def weights_and_update(inputs, grads, activity_scale, loss_scale):
-                optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), self.trainable_variables)
+    def _weights_update(self, optimizer, regularize: bool, number: int, count: int, positions, indices):
+        """The program of ``W`` and the update of one group of the stage's weights (see :meth:`_update_groups`)."""
+        variables = [self.trainable_variables[i] for i in indices]
+        weight_grads = self._weight_grads(positions, indices, regularize)
 
-            self._program(("weights_update", id(optimizer), regularize), weights_and_update)(inputs, grads, *scales)
-            return
-        result = self._program(("weights", regularize), weight_grads)(inputs, grads, *scales)
-        self.gradients.add(result)
-        if optimizer is not None:
-            self.apply(optimizer)
+        def weights_and_update(inputs, grads, activity_scale, loss_scale):
+            optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), variables)
+            if number < count - 1:
+                optimizer.iterations.assign_sub(1)  # one step: only the last group's update counts it
+
+        key = ("weights_update", id(optimizer), regularize, number, count)
+        return self._program(key, weights_and_update)
+
+    def _update_groups(self, optimizer) -> list[tuple[list[int], list[int]]]:
+        """How the step's last ``W`` and the update are cut into programs: (weighted steps, variables) per program.
+
+        One program creates every weight gradient of the stage before the
+        optimizer frees any, where Keras' own step frees each as it applies
+        it: on a stage whose weights take most of the memory that is a
+        weights' worth more (0.75 GiB on 12 x Dense(4096)). Where the
+        optimizer updates each variable from its own gradient alone
+        (:func:`separable`), the stage's weighted steps are cut, in order, into
+        groups of at least :data:`GROUP_BYTES` of weights (steps sharing a
+        weight stay together), each one program that takes its gradients and
+        updates its weights; ``iterations`` is counted once. Smaller stages,
+        and other optimizers, keep the one program.
+        """
+        key = id(optimizer)
+        if key not in self._groups:
+            self._groups[key] = _grouped(self._weighted, self.steps, self.trainable_variables, optimizer)
+        return self._groups[key]
 
     def add_regularization(self, loss_scale: float = 1.0) -> tf.Tensor:
         """Adds the weight regularizers' gradients (recorded backward), times ``loss_scale``; returns their loss."""
@@ -82,20 +123,21 @@ class StageUpdate:
         """The loss of this stage's weight regularizers (counted once per batch, as Keras does)."""
         return self._program("regularization", self._regularization_loss)()
 
-    def _regularization_loss(self):
+    def _regularization_loss(self, layers=None):
         loss = tf.constant(0.0, tf.float32)
-        for layer in self.regularized_layers:
+        for layer in self.regularized_layers if layers is None else layers:
             for term in compat.weight_regularization_losses(layer):
                 loss += tf.cast(term, tf.float32)
         return loss
 
-    def _regularization_gradients(self):
-        handles = [compat.variable_handle(v) for v in self.trainable_variables]
+    def _regularization_gradients(self, variables=None, layers=None):
+        variables = self.trainable_variables if variables is None else variables
+        handles = [compat.variable_handle(v) for v in variables]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(handles)
-            loss = self._regularization_loss()
+            loss = self._regularization_loss(layers)
         grads = tape.gradient(loss, handles)
-        return [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
+        return [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, variables)]
 
     def apply(self, optimizer, grads=None, scale: float | None = None) -> None:
         """One optimizer step with ``grads`` (summed over replicas) or this step's summed gradients.
@@ -137,6 +179,92 @@ class StageUpdate:
             return tf.add_n([tf.reduce_sum(tf.square(tf.cast(_values(g), tf.float64))) for g in grads])
 
         return float(self._program("squared_norm", squares)(*grads))
+
+
+GROUP_BYTES = 64 * 2**20
+"""The least weight bytes of one ``W``-and-update program where a stage's update is cut into several."""
+
+
+def separable(optimizer) -> bool:
+    """Whether ``optimizer.apply`` updates each variable from its own gradient alone: it may be applied by parts.
+
+    True for Keras' own optimizers but ``Nadam`` (one ``u_product`` a
+    step), unless a setting reads every gradient or weight at once
+    (``global_clipnorm``, ``use_ema``, ``gradient_accumulation_steps``) or a
+    subclass changes how ``apply`` goes (``LossScaleOptimizer``, which checks
+    every gradient is finite first; a user's). ``update_step``, per
+    variable, may be anything.
+    """
+    import keras
+
+    base = keras.optimizers.Optimizer
+    methods = ("apply", "_backend_apply_gradients", "_backend_update_step", "_clip_gradients", "_apply_weight_decay")
+    if not isinstance(optimizer, base) or any(getattr(type(optimizer), m) is not getattr(base, m) for m in methods):
+        return False
+    return not (optimizer.global_clipnorm or optimizer.use_ema or optimizer.gradient_accumulation_steps)
+
+
+def _grouped(weighted: list[int], steps, variables, optimizer) -> list[tuple[list[int], list[int]]]:
+    """:meth:`StageUpdate._update_groups`: (positions in ``weighted``, indices in ``variables``) per group."""
+    index = {id(v): i for i, v in enumerate(variables)}
+    everything = [(list(range(len(weighted))), list(range(len(variables))))]
+    total = sum(_nbytes(v) for v in variables)
+    if not separable(optimizer) or total < 2 * GROUP_BYTES:
+        return everything
+    # steps that share a weight (a tied layer called twice) fall into one component
+    component = list(range(len(weighted)))
+
+    def root(p):
+        while component[p] != p:
+            p = component[p]
+        return p
+
+    owner: dict = {}
+    for p, k in enumerate(weighted):
+        for v in steps[k].variables:
+            if id(v) in owner:
+                component[root(p)] = root(owner[id(v)])
+            owner[id(v)] = p
+    last = {root(p): p for p in range(len(weighted))}  # each component's last step
+    groups, positions, size, reach = [], [], 0, 0
+    for p in range(len(weighted)):
+        positions.append(p)
+        size += sum(_nbytes(v) for v in steps[weighted[p]].variables)
+        reach = max(reach, last[root(p)])
+        if size >= GROUP_BYTES and reach == p:
+            groups.append(positions)
+            positions, size = [], 0
+    if positions:
+        if groups and size < GROUP_BYTES:
+            groups[-1] += positions
+        else:
+            groups.append(positions)
+    if len(groups) < 2:
+        return everything
+    result, placed = [], set()
+    for positions in groups:
+        indices = []
+        for p in positions:
+            for v in steps[weighted[p]].variables:
+                if index.get(id(v)) is not None and index[id(v)] not in placed:
+                    placed.add(index[id(v)])
+                    indices.append(index[id(v)])
+        result.append((positions, indices))
+    rest = [i for i in range(len(variables)) if i not in placed]  # a weight no weighted step reads
+    result[-1] = (result[-1][0], result[-1][1] + rest)
+    return result
+
+
+def _nbytes(variable) -> int:
+    import numpy as np
+
+    return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+
+
+def _owning(layers, variables) -> list:
+    """The layers among ``layers`` that hold any of ``variables``."""
+    ids = {id(v) for v in variables}
+    return [layer for layer in layers if any(id(v) in ids for v in layer.trainable_weights)]
 
 
 def _values(grad):
