@@ -79,8 +79,7 @@ class StageUpdate:
 
         def weights_and_update(inputs, grads, activity_scale, loss_scale):
             optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), variables)
-            if number < count - 1:
-                optimizer.iterations.assign_sub(1)  # one step: only the last group's update counts it
+            _count_once(optimizer, number, count)
 
         key = ("weights_update", id(optimizer), regularize, number, count)
         return self._program(key, weights_and_update)
@@ -208,8 +207,7 @@ def _grouped(weighted: list[int], steps, variables, optimizer) -> list[tuple[lis
     """:meth:`StageUpdate._update_groups`: (positions in ``weighted``, indices in ``variables``) per group."""
     index = {id(v): i for i, v in enumerate(variables)}
     everything = [(list(range(len(weighted))), list(range(len(variables))))]
-    total = sum(_nbytes(v) for v in variables)
-    if not separable(optimizer) or total < 2 * GROUP_BYTES:
+    if not _cuts(optimizer, variables):
         return everything
     # steps that share a weight (a tied layer called twice) fall into one component
     component = list(range(len(weighted)))
@@ -226,12 +224,43 @@ def _grouped(weighted: list[int], steps, variables, optimizer) -> list[tuple[lis
                 component[root(p)] = root(owner[id(v)])
             owner[id(v)] = p
     last = {root(p): p for p in range(len(weighted))}  # each component's last step
-    groups, positions, size, reach = [], [], 0, 0
+    owned = [[index[id(v)] for v in steps[k].variables if owner.get(id(v)) == p] for p, k in enumerate(weighted)]
+    reach, closable = 0, []
     for p in range(len(weighted)):
-        positions.append(p)
-        size += sum(_nbytes(v) for v in steps[weighted[p]].variables)
         reach = max(reach, last[root(p)])
-        if size >= GROUP_BYTES and reach == p:
+        closable.append(reach == p)
+    groups = _cut([sum(_nbytes(variables[i]) for i in own) for own in owned], closable)
+    if len(groups) < 2:
+        return everything
+    result = [(positions, [i for p in positions for i in owned[p]]) for positions in groups]
+    placed = {i for _, indices in result for i in indices}
+    rest = [i for i in range(len(variables)) if i not in placed]  # a weight no weighted step reads
+    result[-1] = (result[-1][0], result[-1][1] + rest)
+    return result
+
+
+def _count_once(optimizer, number: int, count: int) -> None:
+    """After group ``number`` of ``count`` updated its weights: one step, so only the last counts ``iterations``."""
+    if number < count - 1:
+        optimizer.iterations.assign_sub(1)
+
+
+def _cuts(optimizer, variables) -> bool:
+    """Whether the update of ``variables`` is cut into several programs."""
+    return separable(optimizer) and sum(_nbytes(v) for v in variables) >= 2 * GROUP_BYTES
+
+
+def _cut(sizes: list[int], closable: list[bool]) -> list[list[int]]:
+    """Positions cut, in order, into groups of at least ``GROUP_BYTES``, each ending where ``closable``.
+
+    >>> _cut([GROUP_BYTES, 1, GROUP_BYTES, 1], [True, False, True, True])
+    [[0], [1, 2, 3]]
+    """
+    groups, positions, size = [], [], 0
+    for p, (bytes_, closes) in enumerate(zip(sizes, closable)):
+        positions.append(p)
+        size += bytes_
+        if size >= GROUP_BYTES and closes:
             groups.append(positions)
             positions, size = [], 0
     if positions:
@@ -239,20 +268,7 @@ def _grouped(weighted: list[int], steps, variables, optimizer) -> list[tuple[lis
             groups[-1] += positions
         else:
             groups.append(positions)
-    if len(groups) < 2:
-        return everything
-    result, placed = [], set()
-    for positions in groups:
-        indices = []
-        for p in positions:
-            for v in steps[weighted[p]].variables:
-                if index.get(id(v)) is not None and index[id(v)] not in placed:
-                    placed.add(index[id(v)])
-                    indices.append(index[id(v)])
-        result.append((positions, indices))
-    rest = [i for i in range(len(variables)) if i not in placed]  # a weight no weighted step reads
-    result[-1] = (result[-1][0], result[-1][1] + rest)
-    return result
+    return groups
 
 
 def _nbytes(variable) -> int:
