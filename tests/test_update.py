@@ -91,5 +91,5 @@ def test_steps_that_share_a_weight_stay_in_one_group(monkeypatch):
 def test_a_cut_closes_groups_of_the_least_size_where_allowed():
     big = update.GROUP_BYTES
     assert update._cut([big, 1, big, 1], [True, False, True, True]) == [[0], [1, 2, 3]]  # a small rest joins
-    assert update._cut([big, big, big], [False, True, True]) == [[0, 1], [2]]  # no end before a shared weight's last use
+    assert update._cut([big, big, big], [False, True, True]) == [[0, 1], [2]]  # not before a shared weight's last use
     assert update._cut([1, 1], [True, True]) == [[0, 1]]
