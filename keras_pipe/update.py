@@ -98,10 +98,10 @@ class StageUpdate:
         updates its weights; ``iterations`` is counted once. Smaller stages,
         and other optimizers, keep the one program.
         """
-        key = id(optimizer)
+        key = id(optimizer)  # (the entry holds the optimizer: its id cannot be another's while it is there)
         if key not in self._groups:
-            self._groups[key] = _grouped(self._weighted, self.steps, self.trainable_variables, optimizer)
-        return self._groups[key]
+            self._groups[key] = optimizer, _grouped(self._weighted, self.steps, self.trainable_variables, optimizer)
+        return self._groups[key][1]
 
     def add_regularization(self, loss_scale: float = 1.0) -> tf.Tensor:
         """Adds the weight regularizers' gradients (recorded backward), times ``loss_scale``; returns their loss."""
