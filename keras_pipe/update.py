@@ -11,6 +11,7 @@ update itself.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat, replay
@@ -272,9 +273,7 @@ def _cut(sizes: list[int], closable: list[bool]) -> list[list[int]]:
 
 
 def _nbytes(variable) -> int:
-    import numpy as np
-
-    return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size  # (bfloat16 too)
 
 
 def _owning(layers, variables) -> list:
