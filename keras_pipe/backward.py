@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_pipe import replay
 from keras_pipe.masked import Masked
+from keras_pipe.update import variable_nbytes
 
 
 class StageBackward:
@@ -185,7 +186,7 @@ class StageBackward:
 
     def _weight_bytes(self) -> int:
         """The bytes of the stage's trainable weights (what writing their gradients costs once)."""
-        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.trainable_variables)
+        return sum(map(variable_nbytes, self.trainable_variables))
 
     def _parts(self, kept, step_grads):
         """(inputs, output gradients) of each weighted step that got a gradient: what ``W`` needs."""

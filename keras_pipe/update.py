@@ -75,6 +75,9 @@ class StageUpdate:
 
     def _weights_update(self, optimizer, regularize: bool, number: int, count: int, positions, indices):
         """The program of ``W`` and the update of one group of the stage's weights (see :meth:`_update_groups`)."""
+        key = ("weights_update", id(optimizer), regularize, number, count)
+        if key in self._programs:  # (every step: the group's variables and layers are looked up once)
+            return self._programs[key]
         variables = [self.trainable_variables[i] for i in indices]
         weight_grads = self._weight_grads(positions, indices, regularize)
 
@@ -82,7 +85,6 @@ class StageUpdate:
             optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), variables)
             _count_once(optimizer, number, count)
 
-        key = ("weights_update", id(optimizer), regularize, number, count)
         return self._program(key, weights_and_update)
 
     def _update_groups(self, optimizer) -> list[tuple[list[int], list[int]]]:
@@ -101,7 +103,10 @@ class StageUpdate:
         """
         key = id(optimizer)  # (the entry holds the optimizer: its id cannot be another's while it is there)
         if key not in self._groups:
-            self._groups[key] = optimizer, _grouped(self._weighted, self.steps, self.trainable_variables, optimizer)
+            cut = separable(optimizer) and self.weight_bytes >= 2 * GROUP_BYTES
+            groups = _grouped(self._weighted, self.steps, self.trainable_variables) if cut else None
+            whole = (list(range(len(self._weighted))), list(range(len(self.trainable_variables))))
+            self._groups[key] = optimizer, groups or [whole]
         return self._groups[key][1]
 
     def add_regularization(self, loss_scale: float = 1.0) -> tf.Tensor:
@@ -130,8 +135,7 @@ class StageUpdate:
                 loss += tf.cast(term, tf.float32)
         return loss
 
-    def _regularization_gradients(self, variables=None, layers=None):
-        variables = self.trainable_variables if variables is None else variables
+    def _regularization_gradients(self, variables, layers):
         handles = [compat.variable_handle(v) for v in variables]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(handles)
@@ -204,12 +208,12 @@ def separable(optimizer) -> bool:
     return not (optimizer.global_clipnorm or optimizer.use_ema or optimizer.gradient_accumulation_steps)
 
 
-def _grouped(weighted: list[int], steps, variables, optimizer) -> list[tuple[list[int], list[int]]]:
-    """:meth:`StageUpdate._update_groups`: (positions in ``weighted``, indices in ``variables``) per group."""
+def _grouped(weighted: list[int], steps, variables) -> list[tuple[list[int], list[int]]] | None:
+    """:meth:`StageUpdate._update_groups`: (positions in ``weighted``, indices in ``variables``) per group.
+
+    ``None`` where the stage makes fewer than two groups.
+    """
     index = {id(v): i for i, v in enumerate(variables)}
-    everything = [(list(range(len(weighted))), list(range(len(variables))))]
-    if not _cuts(optimizer, variables):
-        return everything
     # steps that share a weight (a tied layer called twice) fall into one component
     component = list(range(len(weighted)))
 
@@ -230,9 +234,9 @@ def _grouped(weighted: list[int], steps, variables, optimizer) -> list[tuple[lis
     for p in range(len(weighted)):
         reach = max(reach, last[root(p)])
         closable.append(reach == p)
-    groups = _cut([sum(_nbytes(variables[i]) for i in own) for own in owned], closable)
+    groups = _cut([sum(variable_nbytes(variables[i]) for i in own) for own in owned], closable)
     if len(groups) < 2:
-        return everything
+        return None
     result = [(positions, [i for p in positions for i in owned[p]]) for positions in groups]
     placed = {i for _, indices in result for i in indices}
     rest = [i for i in range(len(variables)) if i not in placed]  # a weight no weighted step reads
@@ -244,11 +248,6 @@ def _count_once(optimizer, number: int, count: int) -> None:
     """After group ``number`` of ``count`` updated its weights: one step, so only the last counts ``iterations``."""
     if number < count - 1:
         optimizer.iterations.assign_sub(1)
-
-
-def _cuts(optimizer, variables) -> bool:
-    """Whether the update of ``variables`` is cut into several programs."""
-    return separable(optimizer) and sum(_nbytes(v) for v in variables) >= 2 * GROUP_BYTES
 
 
 def _cut(sizes: list[int], closable: list[bool]) -> list[list[int]]:
@@ -272,8 +271,9 @@ def _cut(sizes: list[int], closable: list[bool]) -> list[list[int]]:
     return groups
 
 
-def _nbytes(variable) -> int:
-    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size  # (bfloat16 too)
+def variable_nbytes(variable) -> int:
+    """The bytes of a weight (bfloat16 too: NumPy has no such dtype by name)."""
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
 
 
 def _owning(layers, variables) -> list:
