@@ -100,6 +100,27 @@ for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
     assert_close(a, b, f"P={SIZE} shuffled other ranks, weight {i}")
 checked += 1
 
+# A stage's last W and update cut into one program a layer (the real threshold is 64 MiB of weights a
+# program, which no model here reaches): every rank's stage trains as its part of Sequential.
+if SIZE > 1:
+    from keras_pipe import update
+
+    update.GROUP_BYTES, bytes_before = 1, update.GROUP_BYTES
+    initial, expected, expected_weights, _, _ = references[split_layers]
+    model = PipelineModel(split_layers(), num_microbatches=4)
+    model.set_weights(initial)
+    model.compile(**compile_args())
+    history = model.fit(x, y, sample_weight=sw, **fit_args).history
+    update.GROUP_BYTES = bytes_before
+    programs = [key for key in model.engine.compute._programs if key[0] == "weights_update"]
+    weighted = len(model.engine.compute._weighted)
+    assert len(programs) == weighted, (RANK, weighted, programs)  # one W and update a weighted layer
+    for key in expected:
+        assert_close(history[key], expected[key], f"P={SIZE} update cut by layers, history {key}")
+    for i, (a, b) in enumerate(zip(model.get_weights(), expected_weights)):
+        assert_close(a, b, f"P={SIZE} update cut by layers, weight {i}")
+    checked += 1
+
 # Only the first stage reads x and y: every other rank's Keras loop gets a
 # zero-size stand-in of each array (no copy of the data set, none of a
 # batch), validation data included, and predict as well. The labels keep
