@@ -25,8 +25,14 @@ def report(p: int, m: int) -> str:
     rows = [
         ("1F1B", one_f_one_b(p, m), 1, None, "yes"),
         ("ZB-H1", zero_bubble_h1(p, m), 1, None, "yes"),
-        ("interleaved 1F1B, v = 2", interleaved_one_f_one_b(p, m, 2), 2, loop_placement(p, 2), "not yet"),
-        ("ZB-V", zero_bubble_v(p, m), 2, v_placement(p), "not yet"),
+        (
+            "interleaved 1F1B, v = 2",
+            interleaved_one_f_one_b(p, m, 2),
+            2,
+            loop_placement(p, 2),
+            'yes: `schedule="interleaved-1f1b"`',
+        ),
+        ("ZB-V", zero_bubble_v(p, m), 2, v_placement(p), 'yes: `schedule="zb-v"`'),
     ]
     lines = [
         f"# Schedules on the simulator's clock: {p} ranks, {m} micro-batches",

@@ -50,7 +50,7 @@ WORKLOADS = {
     "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32, microbatches=(4, 8)),
     "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12, microbatches=(4,)),
 }
-SCHEDULES = ("1f1b", "gpipe", "zb-h1", "auto")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1", "auto", "interleaved-1f1b", "zb-v")  # (the last two: two chunks a rank)
 # The models of benchmarks/scaling.py and step_spans.py (batch 64, 24 steps per epoch).
 MODELS = {"mlp-2048x4": dict(width=2048, depth=4), "deep-512x16": dict(width=512, depth=16)}
 BATCH = 64
@@ -183,7 +183,7 @@ def main():
         spec = WORKLOADS[workload]
         rows = configurations(workload)
         if args.smoke:
-            rows = [row for row in rows if row[0].endswith(("all cores", "1f1b, m=4"))]
+            rows = [row for row in rows if row[0].endswith(("all cores", " 1f1b, m=4"))]
         if args.only:
             rows = [row for row in rows if any(text in row[0] for text in args.only)]
         trees = [(label, ranks, worker_args, None) for label, ranks, worker_args in rows]

@@ -21,7 +21,9 @@ from keras_pipe.timeline import PipelineTimeline  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1", "auto"])
+    parser.add_argument(
+        "--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1", "auto", "interleaved-1f1b", "zb-v"]
+    )
     parser.add_argument("--microbatches", type=int, default=6)
     parser.add_argument("--num-stages", type=int, default=None, help="stages per pipeline (replicas: ranks / stages)")
     parser.add_argument("--out", default="timeline.json")

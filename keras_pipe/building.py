@@ -123,7 +123,7 @@ class ModelBuilding:
         """The layers this rank holds weights of (once built: see :meth:`build`)."""
         if not self.engine.built:
             raise PipelineConfigError("the model is not built yet; call model.build() on every rank first.")
-        return list(self.engine.compute.layers)
+        return self.engine.stage_layers()
 
     # -- the graph -----------------------------------------------------------
 

@@ -219,6 +219,11 @@ class Communicator:
             )
         return flat.reshape(shape)
 
+    def tag_upper_bound(self) -> int:
+        """The largest message tag this MPI allows (at least 32767, as the standard says)."""
+        bound = self.comm.Get_attr(MPI.TAG_UB)
+        return 32767 if bound is None else int(bound)
+
     def progress(self) -> None:
         """Lets MPI progress pending sends and frees the finished ones."""
         if self._pending:

@@ -26,6 +26,7 @@ from keras_pipe import graph as graphs
 from keras_pipe import probe, schedule
 from keras_pipe.allreduce import ReplicaReducer, TiedReducer
 from keras_pipe.auto import SchedulePicker
+from keras_pipe.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
 from keras_pipe.compute import Masked, StageCompute, check_recompute
 from keras_pipe.consistency import StepAgreement
 from keras_pipe.devices import check_all_ranks, try_configure_gpus
@@ -60,6 +61,7 @@ class Engine:
         balance,
         recompute="never",
         split_before=None,
+        num_chunks=None,
     ):
         init()
         topology = connect(num_stages, stall_timeout)
@@ -80,6 +82,8 @@ class Engine:
             num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
         schedule.check_microbatches(num_microbatches)
         schedule.check_name(schedule_name)
+        num_chunks = schedule.default_chunks(schedule_name) if num_chunks is None else num_chunks
+        schedule.check_chunks(schedule_name, num_chunks)
         check_recompute(recompute)
         if split_before is not None and balance is not None:
             raise PipelineConfigError("give balance or split_before, not both: each says where the stages begin.")
@@ -89,11 +93,25 @@ class Engine:
         self.picker = SchedulePicker(self.num_stages, num_microbatches) if schedule_name == "auto" else None
         self.balance_option = balance
         self.split_before = list(split_before) if split_before is not None else None
+        # Several chunks a rank: the model is cut into num_stages * num_chunks virtual stages, placed as
+        # the schedule says (keras_pipe.chunks); the first is always on the first rank, the last not
+        # always on the last (ZB-V's V ends where it began).
+        self.num_chunks = num_chunks
+        self.placement = schedule.placement(schedule_name, self.num_stages, num_chunks)
+        self.virtual_ranks = ranks_of_virtual_stages(self.placement)
+        self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
+        if schedule_name == "interleaved-1f1b" and num_microbatches % self.num_stages:
+            rounded = -(-num_microbatches // self.num_stages) * self.num_stages
+            raise PipelineConfigError(
+                f"schedule='interleaved-1f1b' runs micro-batches in rounds of the {self.num_stages} ranks, but "
+                f"num_microbatches={num_microbatches} is not a multiple of {self.num_stages}: use "
+                f"num_microbatches={rounded}."
+            )
         self.is_first = self.stage == 0
-        self.is_last = self.stage == self.num_stages - 1
+        self.is_last = self.stage == self.last_rank
         first_stages = [pipeline[0] for pipeline in self.layout.pipelines] if self.num_replicas > 1 else []
         self.steps = StepAgreement(self.world, data_ranks=first_stages)
-        self.logs = LogSharing(self.world, source=self.layout.rank_of(0, self.num_stages - 1))
+        self.logs = LogSharing(self.world, source=self.layout.rank_of(0, self.last_rank))
         self.where = f"stage {self.stage}" + (f" of replica {self.replica}" if self.replicas is not None else "")
         self.graph: graphs.ModelGraph | None = None
         self.cut: cuts.Cut | None = None
@@ -101,6 +119,7 @@ class Engine:
         self.compute: StageCompute | None = None
         self.executor: Executor | None = None
         self.links: Links | None = None
+        self.chunks: list[Chunk] = []  # this rank's virtual stages (one, but with a chunked schedule)
         self.masks: dict | None = None  # each tensor's Keras mask, measured on real tensors (first batch)
         self._schedules: dict = {}
         self._tracer = None
@@ -109,8 +128,8 @@ class Engine:
     def configure(self, jit, eager: bool) -> None:
         """How the stage compiles its programs (``compile(jit_compile=True | False | "auto", run_eagerly=...)``)."""
         self.jit, self.eager = jit, eager
-        if self.compute is not None:
-            self.compute.configure(jit, eager)
+        for chunk in self.chunks:
+            chunk.compute.configure(jit, eager)
 
     @property
     def built(self) -> bool:
@@ -136,48 +155,95 @@ class Engine:
                 f"(mpirun -n {len(plain.nodes)}) or add layers.",
                 stacklevel=4,
             )
+        virtual = self.num_stages * self.num_chunks
         if self.split_before is not None:
-            sizes = cuts.sizes_before(plain, self.split_before, self.num_stages)
+            sizes = cuts.sizes_before(plain, self.split_before, virtual)
         elif self.balance_option is None:
-            sizes = cuts.balance_by_cost([node.cost for node in plain.nodes], self.num_stages)
+            sizes = cuts.balance_by_cost([node.cost for node in plain.nodes], virtual)
         elif isinstance(self.balance_option, str) and self.balance_option == "time":
+            if self.num_chunks > 1:
+                raise PipelineConfigError(
+                    f"balance='time' times one stage a rank; with num_chunks={self.num_chunks} give balance=None "
+                    f"(parameter counts) or a list of {virtual} sizes, one a virtual stage."
+                )
             sizes = balance_by_time(model_graph, self.num_stages, self.world, self.stage, rows)
         else:
-            sizes = cuts.sizes_of_layers(plain, self.balance_option, self.num_stages)
+            sizes = cuts.sizes_of_layers(plain, self.balance_option, virtual)
         the_cut = cuts.cut(plain, sizes)
-        stage = the_cut.stages[self.stage]
-        own = [model_graph.units[unit] for unit in stage.units]
+        if self.num_chunks > 1:
+            self._check_chunked(the_cut)
+        self.graph, self.cut, self.balance = model_graph, the_cut, list(sizes)
+        own = [model_graph.units[unit] for unit in self.stage_units()]
         graphs.allocate(own)
         self._warn_about_batch_statistics(model_graph)
-        self.graph, self.cut, self.balance = model_graph, the_cut, list(sizes)
-        calls = [model_graph.calls[n] for n in stage.nodes]
-        output_structure = model_graph.output_structure() if self.is_last else None
-        regularized = [
-            model_graph.units[u] for u in stage.units if min(the_cut.shared.get(u, [self.stage])) == self.stage
-        ]
-        self.compute = StageCompute(
-            stage, calls, plain, own, self.jit, self.eager, self.recompute, output_structure, regularized
-        )
-        self.links = Links(self.pipeline, stage, plain.tensors) if self.num_stages > 1 else None
+        self.chunks = [self._chunk(k) for k in self.placement[self.stage]]
+        self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
-        tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph, self.compute.trainable_variables)
+        tied = None
+        if self.num_chunks == 1:
+            tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph, self.compute.trainable_variables)
         pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
         self.executor = Executor(
-            self.compute, self.links, reducer, self.is_first, self.is_last, self.world, self.where, pipeline_sum, tied
+            self.compute,
+            self.links,
+            reducer,
+            self.is_first,
+            self.is_last,
+            self.world,
+            self.where,
+            pipeline_sum,
+            tied,
+            chunks=self.chunks,
         )
         self.executor.tracer = self._tracer
         if release:
             self.release_others()
         return own
 
+    def _chunk(self, k: int) -> Chunk:
+        """Virtual stage ``k`` of the cut (this rank's stage, with one chunk a rank): its compute and links."""
+        the_cut, model_graph = self.cut, self.graph
+        plain = model_graph.plain
+        stage = the_cut.stages[k]
+        own = [model_graph.units[unit] for unit in stage.units]
+        calls = [model_graph.calls[n] for n in stage.nodes]
+        last = len(the_cut.stages) - 1
+        output_structure = model_graph.output_structure() if k == last else None
+        regularized = [model_graph.units[u] for u in stage.units if min(the_cut.shared.get(u, [k])) == k]
+        compute = StageCompute(
+            stage, calls, plain, own, self.jit, self.eager, self.recompute, output_structure, regularized
+        )
+        links = None
+        if self.num_chunks > 1:
+            links = Links(ChunkComm(self.pipeline, self.virtual_ranks, k), stage, plain.tensors)
+        elif self.num_stages > 1:
+            links = Links(self.pipeline, stage, plain.tensors)
+        return Chunk(compute, links, k == 0, k == last)
+
+    def _check_chunked(self, the_cut) -> None:
+        """What several chunks a rank do not run yet: raised on every rank, with what to do instead."""
+        what = f"schedule={self.schedule!r} with {self.num_chunks} chunks a rank"
+        if self.num_replicas > 1:
+            raise PipelineConfigError(
+                f"{what} runs one pipeline, not {self.num_replicas} replicas: use a one-chunk schedule "
+                "('1f1b', 'gpipe', 'zb-h1') with replicas, or num_stages=None."
+            )
+        if the_cut.shared:
+            names = sorted(the_cut.shared)
+            raise PipelineConfigError(
+                f"{what}: the layers {names} are called on several virtual stages (shared weights), which "
+                "several chunks a rank do not sum yet; use a one-chunk schedule ('1f1b', 'gpipe', 'zb-h1')."
+            )
+
     def reset(self) -> None:
         """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""
         self.graph = self.cut = self.balance = self.compute = self.executor = self.links = self.masks = None
+        self.chunks = []
         self._schedules.clear()
 
     def release_others(self) -> None:
         """Frees the weights of the layers other stages hold (a model handed in built had them all)."""
-        held = set(self.cut.stages[self.stage].units)
+        held = set(self.stage_units())
         graphs.release([layer for unit, layer in self.graph.units.items() if unit not in held])
 
     def _warn_about_batch_statistics(self, model_graph) -> None:
@@ -209,18 +275,18 @@ class Engine:
             first = microbatch_bounds(int(x[0].shape[0]), self.num_microbatches)[0][1]
             sample = [rows(t, 0, first) for t in x]
         self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
-        measured = probe.measure(
-            self.compute.stage, self.compute.calls, self.links, self.pipeline, sample, eager=self.eager
-        )
+        parts = [(chunk.compute.stage, chunk.compute.calls, chunk.links) for chunk in self.chunks]
+        measured = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
         problems = probe.differences(self.cut.graph, measured)
         if problems:
             raise PipelineConfigError(
                 "the model's tensors do not have the shapes its graph says: " + "; ".join(problems[:5])
             )
         self.masks = probe.masks_of(self.cut.graph, measured)
-        self.compute.set_masks(self.masks)
-        if self.links is not None:
-            self.links.set_masks(self.masks)
+        for chunk in self.chunks:
+            chunk.compute.set_masks(self.masks)
+            if chunk.links is not None:
+                chunk.links.set_masks(self.masks)
         self._schedules.clear()
 
     def output_masked(self) -> list[bool]:
@@ -257,6 +323,8 @@ class Engine:
         GPipe's order whatever the schedule: the last stage must count the
         whole batch's unmasked entries before its first backward.
         """
+        if self.num_chunks > 1:
+            return self._chunked_actions(phase, num_microbatches, whole_batch_loss)
         compute = self.compute
         # What holding a micro-batch for its W costs is estimated from the shapes, or measured on
         # the first step, which runs each W right after its I; then the schedule holds what fits
@@ -283,6 +351,35 @@ class Engine:
             actions = plan[self.stage]
             if phase == "train" and not self.compute.split:
                 actions = _unsplit(actions)
+            self._schedules[key] = actions
+        return self._schedules[key]
+
+    def _chunked_actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool) -> list:
+        """:meth:`actions` with several chunks a rank: the chunked schedule, each ``W`` within its own bound.
+
+        A batch that interleaved 1F1B cannot take (micro-batches not a multiple
+        of the ranks: the last, short batch) and a loss over the whole batch
+        run :func:`~keras_pipe.virtual.chunked_gpipe`: the same result, GPipe's
+        memory. A chunk that cannot split its backward (a Keras mask crosses
+        it, or it recomputes) runs ``B`` where the schedule says ``I``.
+        """
+        from keras_pipe import virtual
+
+        split = [chunk.compute.split for chunk in self.chunks]
+        key = (phase, num_microbatches, tuple(split), whole_batch_loss)
+        if key not in self._schedules:
+            p, m, v = self.num_stages, num_microbatches, self.num_chunks
+            name = self.schedule
+            any_split = any(split) or schedule.needs_split_backward(name)
+            if phase != "train":
+                plan = virtual.chunked_forward_only(p, m, v)
+            elif whole_batch_loss or (name == "interleaved-1f1b" and m % p):  # (m % p: a short batch)
+                plan = virtual.chunked_gpipe(self.placement, m, any_split, whole_batch_loss)
+            else:
+                plan = schedule.make_schedule(name, p, m, any_split, num_chunks=v)
+            actions = plan[self.stage]
+            if phase == "train":
+                actions = _unsplit(actions, [c for c, s in enumerate(split) if not s])
             self._schedules[key] = actions
         return self._schedules[key]
 
@@ -370,7 +467,7 @@ class Engine:
         """Every rank gets the last stage's flat predictions of the batch (shapes travel: they may vary)."""
         if self.num_stages == 1:
             return flat
-        root = self.num_stages - 1
+        root = self.last_rank
         shapes = self.pipeline.bcast_json([list(p.shape) for p in flat] if self.is_last else None, root=root)
         result = []
         for k, (t, shape) in enumerate(zip(self.cut.graph.outputs, shapes)):
@@ -384,31 +481,49 @@ class Engine:
         if self.links is None:
             return y, sample_weight
         flat = [a for a in keras.tree.flatten((y, sample_weight)) if a is not None]
-        if self.is_first:
-            self.links.send_targets(flat)
-        if self.is_last:
-            received = iter(self.links.receive_targets(flat, batch_size))
+        first = next(chunk for chunk in self.chunks if chunk.is_first) if self.is_first else None
+        last = next(chunk for chunk in self.chunks if chunk.is_last) if self.is_last else None
+        if first is not None:
+            first.links.send_targets(flat)
+        if last is not None:
+            received = iter(last.links.receive_targets(flat, batch_size))
             return keras.tree.map_structure(lambda a: None if a is None else next(received), (y, sample_weight))
         return y, sample_weight
 
     # -- weights -------------------------------------------------------------------------
 
     def owner_of(self, unit: str) -> int:
-        """The first stage holding ``unit``'s weights (it answers for them: saving, ``get_weights``)."""
-        return min(s.index for s in self.cut.stages if unit in s.units)
+        """The rank of the first stage holding ``unit``'s weights (it answers for them: saving, ``get_weights``)."""
+        return self.virtual_ranks[min(s.index for s in self.cut.stages if unit in s.units)]
 
     def stage_units(self) -> list[str]:
-        return list(self.cut.stages[self.stage].units)
+        """The units whose weights this rank holds (its chunks', in order, each once)."""
+        units = [u for k in self.placement[self.stage] for u in self.cut.stages[k].units]
+        return list(dict.fromkeys(units))
+
+    @property
+    def trainable_variables(self) -> list:
+        """This rank's trainable variables (every chunk's), once built."""
+        return [v for chunk in self.chunks for v in chunk.compute.trainable_variables]
+
+    def stage_layers(self) -> list:
+        """The layers this rank holds weights of (every chunk's), once built."""
+        return [layer for chunk in self.chunks for layer in chunk.compute.layers]
 
 
-def _unsplit(actions: list) -> list:
-    """A schedule with a split backward, for a stage that cannot split: I -> B, FI -> FB, no W."""
+def _unsplit(actions: list, chunks=None) -> list:
+    """A schedule with a split backward, for a stage that cannot split: I -> B, FI -> FB, no W.
+
+    ``chunks``: only those chunks' actions (``None``: every action).
+    """
     renamed = {
         schedule.Kind.BACKWARD_INPUT: schedule.Kind.BACKWARD,
         schedule.Kind.FORWARD_INPUT: schedule.Kind.FORWARD_BACKWARD,
     }
-    return [
-        schedule.Action(renamed.get(a.kind, a.kind), a.microbatches)
-        for a in actions
-        if a.kind is not schedule.Kind.BACKWARD_WEIGHT
-    ]
+    result = []
+    for a in actions:
+        if chunks is not None and a.chunk not in chunks:
+            result.append(a)
+        elif a.kind is not schedule.Kind.BACKWARD_WEIGHT:
+            result.append(schedule.Action(renamed.get(a.kind, a.kind), a.microbatches, a.chunk))
+    return result

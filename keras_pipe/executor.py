@@ -32,7 +32,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe.chunks import Chunk
 from keras_pipe.schedule import Action, Kind
+from keras_pipe.update import apply_together
 
 
 @dataclass
@@ -88,23 +90,38 @@ class Executor:
         pipeline_sum: sums a float64 vector over the stages of this pipeline (the whole
             model's gradient norm, the loss scale's finiteness check); identity with one stage.
         tied: sums the gradients of weights other stages hold too (``None`` where there are none).
+        chunks: where the rank holds several virtual stages (:mod:`keras_pipe.chunks`), each one's
+            :class:`~keras_pipe.chunks.Chunk`, in the order of the actions' ``chunk``; they take the
+            place of ``compute``, ``links``, ``is_first`` and ``is_last``.
     """
 
     def __init__(
-        self, compute, links, reducer, is_first: bool, is_last: bool, status, where: str, pipeline_sum=None, tied=None
+        self,
+        compute,
+        links,
+        reducer,
+        is_first: bool,
+        is_last: bool,
+        status,
+        where: str,
+        pipeline_sum=None,
+        tied=None,
+        chunks: list | None = None,
     ):
-        self.compute = compute
-        self.links = links
+        self.chunks = list(chunks) if chunks else [Chunk(compute, links, is_first, is_last)]
+        if len(self.chunks) > 1 and (reducer is not None or tied is not None):
+            raise ValueError("several chunks a rank run without replicas or weights shared between stages")
+        self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
         self.reducer = reducer
         self.tied = tied
         self.pipeline_sum = pipeline_sum or (lambda values: values)
-        self.is_first = is_first
-        self.is_last = is_last
+        self.is_first = any(chunk.is_first for chunk in self.chunks)
+        self.is_last = any(chunk.is_last for chunk in self.chunks)
         self.status = status
         self.where = where
         self.tracer = None
         self.step = 0
-        self._last_weights = -1  # position of the step's last W action (it may apply the update)
+        self._last_weights: dict = {}  # chunk -> position of the step's last W action (it may apply the update)
         self._loss_scale = 1.0  # every gradient of a training step is multiplied by it (mixed_float16)
         self._handlers = {
             Kind.FORWARD: self._forward,
@@ -125,26 +142,34 @@ class Executor:
             divisors=np.zeros(terms),
         )
         self._loss_scale = loss_scale(batch.optimizer) if batch.phase == "train" else 1.0
-        self._last_weights = max((p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT), default=-1)
+        self._last_weights = {
+            a.chunk: p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT
+        }  # (the last W of each chunk: positions grow)
+        of_chunk = " of chunk {}" if len(self.chunks) > 1 else ""
         try:
             if batch.phase == "train":
-                self.compute.begin_step()
-            self._count_regularization(batch, result, before_actions=True)
+                for chunk in self.chunks:
+                    chunk.compute.begin_step()
+            for chunk in self.chunks:
+                self._count_regularization(chunk.compute, batch, result, before_actions=True)
             self.status.in_step = True
             for position, action in enumerate(actions):
                 self.status.doing = (
                     f"{batch.phase} step {self.step}, {self.where}: {_NAMES[action.kind]} of micro-batch "
-                    f"{action.microbatch}"
+                    f"{action.microbatch}" + of_chunk.format(action.chunk)
                 )
-                self._handlers[action.kind](action, position, batch, result)
-                if self.links is not None:
-                    self.links.progress()
+                chunk = self.chunks[action.chunk]
+                self._handlers[action.kind](chunk, action, position, batch, result)
+                if chunk.links is not None:
+                    chunk.links.progress()
             self._end_step(batch, result)
             self.status.in_step = False
             if batch.phase == "train":
-                self.compute.end_step()
+                for chunk in self.chunks:
+                    chunk.compute.end_step()
         except BaseException:
-            self.compute.forget_step()
+            for chunk in self.chunks:
+                chunk.compute.forget_step()
             raise
         finally:
             self.step += 1
@@ -152,17 +177,18 @@ class Executor:
 
     # -- the actions ---------------------------------------------------------
 
-    def _forward(self, action, position, batch, result):
+    def _forward(self, chunk: Chunk, action, position, batch, result):
         i = action.microbatch
         start, stop = batch.bounds[i]
-        inputs = self._inputs(batch, i)
+        inputs = self._inputs(chunk, batch, i)
         began = time.perf_counter()
-        if self.is_last and batch.whole_batch_loss:
-            self._forward_head(i, inputs, batch, result)
+        compute = chunk.compute
+        if chunk.is_last and batch.whole_batch_loss:
+            self._forward_head(compute, i, inputs, batch, result)
             self._span("forward", i, began)
             return
-        if self.is_last and batch.phase == "test":
-            total, terms, predictions = self.compute.forward_loss(
+        if chunk.is_last and batch.phase == "test":
+            total, terms, predictions = compute.forward_loss(
                 batch.loss, inputs, *self._targets(batch, i), self._coefficients(batch, i)
             )
             result.loss_part += float(total)
@@ -171,24 +197,24 @@ class Executor:
             self._span("forward", i, began)
             return
         training = batch.phase == "train"
-        recompute = training and self.compute.recomputes(i, len(batch.bounds))
-        outputs, activity = self.compute.forward(i, inputs, training, recompute)
+        recompute = training and compute.recomputes(i, len(batch.bounds))
+        outputs, activity = compute.forward(i, inputs, training, recompute)
         if batch.phase != "predict":
             result.loss_part += float(activity) * (stop - start) / batch.batch_size
         self._span("forward", i, began)
-        if self.is_last:
+        if chunk.is_last:
             result.predictions[i] = outputs
         else:
             began = time.perf_counter()
-            self.links.send_activations(outputs)
+            chunk.links.send_activations(outputs)
             self._span("send activation", i, began)
 
-    def _forward_head(self, i: int, inputs, batch: Batch, result: StepResult) -> None:
+    def _forward_head(self, compute, i: int, inputs, batch: Batch, result: StepResult) -> None:
         """Last stage, ``whole_batch_loss``: a forward that sums the micro-batch's terms and counts their divisors."""
         start, stop = batch.bounds[i]
         training = batch.phase == "train"
-        recompute = training and self.compute.recomputes(i, len(batch.bounds))
-        sums, divisors, predictions, activity = self.compute.forward_head(
+        recompute = training and compute.recomputes(i, len(batch.bounds))
+        sums, divisors, predictions, activity = compute.forward_head(
             i, batch.loss, inputs, *self._targets(batch, i), training, recompute
         )
         result.sums += np.asarray(sums, np.float64)
@@ -196,72 +222,86 @@ class Executor:
         result.loss_part += float(activity) * (stop - start) / batch.batch_size
         result.predictions[i] = predictions
 
-    def _forward_backward(self, action, position, batch, result):
+    def _forward_backward(self, chunk: Chunk, action, position, batch, result):
         i = action.microbatch
-        inputs = self._inputs(batch, i)
+        inputs = self._inputs(chunk, batch, i)
         began = time.perf_counter()
         coefficients = self._coefficients(batch, i) * self._loss_scale
-        total, terms, predictions, dx = self.compute.forward_backward(
+        total, terms, predictions, dx = chunk.compute.forward_backward(
             i, batch.loss, inputs, *self._targets(batch, i), coefficients
         )
         result.loss_part += float(total) / self._loss_scale
         result.terms += np.asarray(terms, np.float64) * batch.shares[i]
         result.predictions[i] = predictions
         self._span("forward+backward", i, began)
-        self._send_gradients(dx, i)
+        self._send_gradients(chunk, dx, i)
 
-    def _backward(self, action, position, batch, result):
+    def _backward(self, chunk: Chunk, action, position, batch, result):
         i = action.microbatch
         start, stop = batch.bounds[i]
         began = time.perf_counter()
-        if self.is_last:  # whole_batch_loss: each term's seed, its weight over the batch's divisor
+        if chunk.is_last:  # whole_batch_loss: each term's seed, its weight over the batch's divisor
             divisors = self._batch_divisors(batch, result)
             seeds = np.where(divisors > 0, np.asarray(batch.term_weights) / np.where(divisors > 0, divisors, 1), 0.0)
             grads = [tf.constant(seeds * self._loss_scale, tf.float32)]
         else:
-            grads = self.links.receive_gradients(stop - start)
+            grads = chunk.links.receive_gradients(stop - start)
         self._span("receive gradient", i, began)
         began = time.perf_counter()
-        dx = self.compute.backward(i, grads, (stop - start) / batch.batch_size * self._loss_scale)
+        dx = chunk.compute.backward(i, grads, (stop - start) / batch.batch_size * self._loss_scale)
         self._span("backward", i, began)
-        self._send_gradients(dx, i)
+        self._send_gradients(chunk, dx, i)
 
-    def _weights(self, action, position, batch, result):
+    def _weights(self, chunk: Chunk, action, position, batch, result):
         began = time.perf_counter()
         rows = sum(batch.bounds[i][1] - batch.bounds[i][0] for i in action.microbatches)
-        final = position == self._last_weights
-        fused = final and self.reducer is None and self.tied is None and not _needs_whole_model(batch)
-        self.compute.weights(
+        final = position == self._last_weights.get(action.chunk)
+        fused = final and self._fuses_update(batch)
+        compute = chunk.compute
+        compute.weights(
             action.microbatches,
             rows / batch.batch_size * self._loss_scale,
             regularize=final and batch.regularize,
             loss_scale=self._loss_scale,
             optimizer=batch.optimizer if fused else None,
         )
-        if self.tracer is not None and self.compute.trainable_variables:
-            self.compute.trainable_variables[0].numpy()  # wait for it, so that the span shows its cost
+        if self.tracer is not None and compute.trainable_variables:
+            compute.trainable_variables[0].numpy()  # wait for it, so that the span shows its cost
         self._span("weights", -1 if len(action.microbatches) > 1 else action.microbatch, began)
+
+    def _fuses_update(self, batch: Batch) -> bool:
+        """Whether a stage's last ``W`` applies the update itself: one chunk, nothing to sum with other ranks first.
+
+        (With several chunks the update is one program over every chunk's
+        weights at the end of the step, so the optimizer counts one step.)
+        """
+        alone = len(self.chunks) == 1 and self.reducer is None and self.tied is None
+        return alone and not _needs_whole_model(batch)
 
     # -- the end of a step ------------------------------------------------------
 
     def _end_step(self, batch: Batch, result: StepResult) -> None:
-        compute = self.compute
         training = batch.phase == "train"
-        self._count_regularization(batch, result, before_actions=False)
-        if self.is_last and batch.whole_batch_loss:
+        for chunk in self.chunks:
+            self._count_regularization(chunk.compute, batch, result, before_actions=False)
+        if batch.whole_batch_loss and any(chunk.is_last for chunk in self.chunks):
             divisors = self._batch_divisors(batch, result)
             values = np.divide(result.sums, divisors, out=np.zeros_like(result.sums), where=divisors > 0)
             result.terms = values
             result.loss_part += float(np.dot(values, batch.term_weights))
         if not training:
             return
+        if len(self.chunks) > 1:
+            self._update_chunks(batch)
+            return
+        compute = self.compute
         if not compute.trainable_variables:
             finite = True
             if _needs_whole_model(batch):  # this stage's share of the norm: none, but the others wait for it
                 finite = bool(np.isfinite(self.pipeline_sum(np.zeros(1))[0]))
             count_step(batch.optimizer, finite)
             return
-        applied = self._last_weights >= 0 and self.reducer is None and self.tied is None and compute.gradients.empty
+        applied = bool(self._last_weights) and self.reducer is None and self.tied is None and compute.gradients.empty
         if applied:
             return  # the last W updated the weights itself
         summed = None
@@ -289,22 +329,36 @@ class Executor:
             compute.trainable_variables[0].numpy()
         self._span("optimizer", -1, began)
 
-    def _count_regularization(self, batch: Batch, result: StepResult, before_actions: bool) -> None:
+    def _update_chunks(self, batch: Batch) -> None:
+        """Several chunks: one optimizer step over every chunk's summed gradients (the whole model's norm first)."""
+        computes = [chunk.compute for chunk in self.chunks]
+        grads = [compute.gradients.result() if compute.trainable_variables else [] for compute in computes]
+        scale = None
+        if _needs_whole_model(batch):
+            self.status.doing = f"train step {self.step}, {self.where}: the whole model's gradient norm"
+            squares = sum(compute.squared_norm(g) for compute, g in zip(computes, grads) if g)
+            squares = self.pipeline_sum(np.array([squares], np.float64))[0]
+            scale = whole_model_scale(batch.optimizer, squares, self._loss_scale)
+        self.status.doing = f"train step {self.step}, {self.where}: optimizer update"
+        began = time.perf_counter()
+        if not any(grads):
+            count_step(batch.optimizer, scale is None or bool(np.isfinite(scale)))
+        else:
+            apply_together(computes, batch.optimizer, grads, scale)
+        self._span("optimizer", -1, began)
+
+    def _count_regularization(self, compute, batch: Batch, result: StepResult, before_actions: bool) -> None:
         """Adds the weight regularizers' loss, from the weights before the update, once per batch.
 
         A recorded backward adds their gradients at the end of the step; a
         split backward adds them in its last ``W``, which may also update the
         weights, so its loss is read before the actions run.
         """
-        if not (batch.regularize and self.compute.has_weight_regularizers and batch.phase != "predict"):
+        if not (batch.regularize and compute.has_weight_regularizers and batch.phase != "predict"):
             return
-        recorded_training = batch.phase == "train" and not self.compute.split
+        recorded_training = batch.phase == "train" and not compute.split
         if before_actions != recorded_training:
-            loss = (
-                self.compute.regularization_loss()
-                if before_actions
-                else self.compute.add_regularization(self._loss_scale)
-            )
+            loss = compute.regularization_loss() if before_actions else compute.add_regularization(self._loss_scale)
             result.loss_part += float(loss)
 
     def _batch_divisors(self, batch: Batch, result: StepResult) -> np.ndarray:
@@ -323,14 +377,14 @@ class Executor:
 
     # -- helpers -------------------------------------------------------------------
 
-    def _inputs(self, batch: Batch, i: int) -> list:
+    def _inputs(self, chunk: Chunk, batch: Batch, i: int) -> list:
         start, stop = batch.bounds[i]
-        if self.is_first:
+        if chunk.is_first:
             if (start, stop) == (0, batch.batch_size):
                 return list(batch.x)
             return [rows(x, start, stop) for x in batch.x]
         began = time.perf_counter()
-        received = self.links.receive_activations(stop - start)
+        received = chunk.links.receive_activations(stop - start)
         self._span("receive activation", i, began)
         return received
 
@@ -346,11 +400,11 @@ class Executor:
         terms = np.asarray(batch.shares[i], np.float64) * np.asarray(batch.term_weights, np.float64)
         return tf.constant(np.append(terms, (stop - start) / batch.batch_size), tf.float32)
 
-    def _send_gradients(self, dx, i: int) -> None:
-        if self.is_first or not dx:
+    def _send_gradients(self, chunk: Chunk, dx, i: int) -> None:
+        if chunk.is_first or not dx:
             return
         began = time.perf_counter()
-        self.links.send_gradients(dx)
+        chunk.links.send_gradients(dx)
         self._span("send gradient", i, began)
 
     def _span(self, name: str, microbatch: int, began: float) -> None:

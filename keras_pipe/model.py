@@ -87,6 +87,18 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             model whose output carries a Keras mask, under a mean loss, trains
             in GPipe's order whatever this says (its loss is a mean over the
             whole batch's unmasked entries, counted before any backward).
+            With several model chunks a rank: ``"interleaved-1f1b"``
+            (Megatron's interleaved 1F1B: ``num_chunks`` chunks a rank, placed
+            in a loop, the bubble ``num_chunks`` times smaller;
+            ``num_microbatches`` a multiple of the ranks) or ``"zb-v"`` (two
+            chunks a rank in a V, zero-bubble, 1F1B's memory); see
+            :mod:`keras_pipe.virtual`. The model is then cut into
+            ``num_stages * num_chunks`` virtual stages (``balance`` lists that
+            many sizes). Not yet with replicas or a weight shared between
+            virtual stages (both raise).
+        num_chunks: model chunks (virtual stages) a rank holds: ``None``
+            (default) means two for ``"interleaved-1f1b"`` and ``"zb-v"``, one
+            for the others.
         num_stages: stages per pipeline. With ``W`` ranks, ``W / num_stages``
             replicas of the pipeline each train on their share of every
             batch and sum their gradients before each update (data
@@ -119,6 +131,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         balance: Sequence[int] | str | None = None,
         split_before: Sequence[str] | None = None,
         schedule: str = "1f1b",
+        num_chunks: int | None = None,
         num_stages: int | None = None,
         stall_timeout: float | None = None,
         recompute: str = "never",
@@ -132,12 +145,15 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             balance=balance,
             split_before=split_before,
             schedule=schedule,
+            num_chunks=num_chunks,
             num_stages=num_stages,
             stall_timeout=stall_timeout,
             recompute=recompute,
         )
         object.__setattr__(self, "_options", options)  # (for get_config)
-        engine = Engine(num_stages, stall_timeout, num_microbatches, schedule, balance, recompute, split_before)
+        engine = Engine(
+            num_stages, stall_timeout, num_microbatches, schedule, balance, recompute, split_before, num_chunks
+        )
         # Not tracked by Keras: only this rank's stage layers are (so that
         # `trainable_variables`, the optimizer and saving see this rank's).
         object.__setattr__(self, "engine", engine)
@@ -412,8 +428,10 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         if self.engine.world.rank != 0:
             return
         replicas = f" x {self.num_replicas} replicas" if self.num_replicas > 1 else ""
+        chunks = self.engine.num_chunks
+        chunked = f" of {chunks} chunks each ({self.num_stages * chunks} virtual stages)" if chunks > 1 else ""
         print_fn(
-            f'PipelineModel "{self.name}": {self.num_stages} stages{replicas}, '
+            f'PipelineModel "{self.name}": {self.num_stages} stages{chunked}{replicas}, '
             f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
         )
         if self.engine.picker is not None:
@@ -447,7 +465,10 @@ def summary_lines(engine) -> list[str]:
                 counted.add(node.unit)
                 count = int(sum(np.prod(w.shape, dtype=np.int64) for w in model_graph.units[node.unit].weights))
             params += count
-            rows.append((f"{node.name} ({node.kind})", str(stage.index), shape, f"{count:,}"))
+            where = str(stage.index)
+            if engine.num_chunks > 1:  # (a virtual stage, and the rank that holds it)
+                where += f" (rank {engine.virtual_ranks[stage.index]})"
+            rows.append((f"{node.name} ({node.kind})", where, shape, f"{count:,}"))
         per_stage.append(params)
     widths = [max(len(row[c]) for row in rows) for c in range(4)]
     rule = "-" * (sum(widths) + 6)

@@ -28,7 +28,7 @@ from keras_pipe import compat
 from keras_pipe.compute import Masked
 
 
-def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = False) -> dict:
+def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = False, chunks=None) -> dict:
     """One real forward through the pipeline (collective over ``pipeline``): ``{tensor: (shape, mask shape)}``.
 
     Args:
@@ -40,11 +40,32 @@ def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = Fa
         eager: run the nodes op by op, as the stage's programs then run
             (``compile(run_eagerly=True)``); else traced, as they do: Keras
             propagates some masks in one mode and not the other.
+        chunks: where a rank holds several virtual stages, ``(stage, calls,
+            links)`` of each, in the order of their virtual stages (they
+            take the place of the first three arguments): each runs once
+            what it reads has arrived, so the forward goes round the ranks
+            as many times as there are chunks.
 
     Returns:
         For every tensor any stage read or computed, its real shape and the
         shape of its mask (``None`` without), the same on every rank.
     """
+    found = {}
+    parts = chunks or [(stage, calls, links)]
+    for part_stage, part_calls, part_links in parts:
+        found.update(_measure_stage(part_stage, part_calls, part_links, sample, eager))
+    # (once every chunk ran: a chunk's send to a later chunk of this rank completes only when received)
+    for _, _, part_links in parts[:1]:
+        if part_links is not None:
+            part_links.comm.flush()
+    merged = {}
+    for part in pipeline.allgather_json(found) if pipeline.size > 1 else [found]:
+        merged.update(part)
+    return {int(t): (tuple(shape), None if mask is None else tuple(mask)) for t, (shape, mask) in merged.items()}
+
+
+def _measure_stage(stage, calls, links, sample, eager: bool) -> dict:
+    """One stage's part of :func:`measure`: receive, run, send; what it computed, as JSON."""
     inputs = list(sample) if stage.index == 0 else []
     for crossing in stage.receives:
         inputs.append(links.receive_described(crossing.source, links.tensors[crossing.tensor].dtype))
@@ -64,12 +85,7 @@ def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = Fa
         outgoing = value if mask is None else Masked(value, mask)
         for destination in crossing.destinations:
             links.send_described(outgoing, destination)
-    if links is not None:
-        links.comm.flush()
-    merged = {}
-    for part in pipeline.allgather_json(found) if pipeline.size > 1 else [found]:
-        merged.update(part)
-    return {int(t): (tuple(shape), None if mask is None else tuple(mask)) for t, (shape, mask) in merged.items()}
+    return found
 
 
 def _forward(stage, calls):

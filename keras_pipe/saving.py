@@ -192,7 +192,7 @@ def to_whole(model) -> keras.Model | None:
         index = trainable_index([v for v, _, _ in entries])
         indexed = [(entries[p][0], index[id(entries[p][0])]) for p in answered if id(entries[p][0]) in index]
         answered_ids = {id(v) for v, _ in indexed}
-        copies = [v for v in engine.compute.trainable_variables if id(v) not in answered_ids]
+        copies = [v for v in engine.trainable_variables if id(v) not in answered_ids]
         state = optimizer_state(optimizer, indexed, copies)
         names = sorted(state)
         parts = gather_to_root(comm, [state[name] for name in names])
@@ -266,8 +266,8 @@ def _load_pipeline(model, whole: keras.Model | None) -> None:
     values = scatter_from_root(comm, per_rank_state)
     optimizer = model.optimizer
     if not optimizer.built:
-        optimizer.build(engine.compute.trainable_variables)
-    indexed = [(v, index[id(v)]) for v in engine.compute.trainable_variables if id(v) in index]
+        optimizer.build(engine.trainable_variables)
+    indexed = [(v, index[id(v)]) for v in engine.trainable_variables if id(v) in index]
     assign_optimizer_state(optimizer, indexed, dict(zip(keys, values)))
 
 
@@ -316,6 +316,7 @@ _DEFAULTS = dict(
     balance=None,
     split_before=None,
     schedule="1f1b",
+    num_chunks=None,
     num_stages=None,
     stall_timeout=None,
     recompute="never",

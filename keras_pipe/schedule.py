@@ -48,6 +48,9 @@ from typing import NamedTuple
 from keras_pipe.errors import PipelineConfigError
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+# Several model chunks a rank (virtual stages; :mod:`keras_pipe.virtual`): interleaved 1F1B over the
+# loop placement (``num_chunks`` of them), ZB-V over the V placement (two).
+CHUNKED_SCHEDULES = ("interleaved-1f1b", "zb-v")
 
 
 class Kind(enum.Enum):
@@ -228,20 +231,74 @@ def forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 
 
 def make_schedule(
-    name: str, num_stages: int, num_microbatches: int, split_backward: bool = False, hold: dict | None = None
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    split_backward: bool = False,
+    hold: dict | None = None,
+    num_chunks: int = 1,
 ) -> list[list[Action]]:
-    """The training schedule called ``name`` (one of :data:`SCHEDULES`).
+    """The training schedule called ``name`` (one of :data:`SCHEDULES` or :data:`CHUNKED_SCHEDULES`).
 
-    ``split_backward`` asks for I + W actions instead of B (``"zb-h1"`` always
-    splits); ``hold`` maps a stage to its :class:`Holding` (what it may hold
-    for a batched ``W``; the schedule's own bound where none is given).
+    ``split_backward`` asks for I + W actions instead of B (``"zb-h1"`` and
+    ``"zb-v"`` always split); ``hold`` maps a stage to its :class:`Holding`
+    (what it may hold for a batched ``W``; the schedule's own bound where
+    none is given). ``num_stages`` counts ranks: with ``num_chunks`` chunks a
+    rank, each rank's actions name the chunk they run (see :func:`placement`).
+
+    >>> [str(a) for a in make_schedule("interleaved-1f1b", 2, 2, num_chunks=2)[1]]
+    ['F0', 'F1', 'FB0@1', 'FB1@1', 'B0', 'B1']
     """
     check_name(name, auto=False)
+    check_chunks(name, num_chunks)
     if name == "1f1b":
         return one_f_one_b(num_stages, num_microbatches, split_backward, hold)
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, split_backward, hold=hold)
+    if name == "interleaved-1f1b":
+        from keras_pipe import virtual
+
+        return virtual.interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks, split_backward, hold)
+    from keras_pipe import zero_bubble
+
+    if name == "zb-v":
+        return zero_bubble.zero_bubble_v(num_stages, num_microbatches)
     return zero_bubble_h1(num_stages, num_microbatches)
+
+
+def placement(name: str, num_stages: int, num_chunks: int = 1) -> list[list[int]]:
+    """Which virtual stage each rank's chunk holds under schedule ``name``: ``placement[r][c]``.
+
+    >>> placement("1f1b", 2), placement("interleaved-1f1b", 2, 2), placement("zb-v", 2, 2)
+    ([[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]])
+    """
+    from keras_pipe import virtual
+
+    check_chunks(name, num_chunks)
+    if name == "zb-v":
+        return virtual.v_placement(num_stages)
+    return virtual.loop_placement(num_stages, num_chunks)
+
+
+def default_chunks(name: str) -> int:
+    """The chunks a rank holds under schedule ``name`` unless told: two for a chunked schedule, else one."""
+    return 2 if name in CHUNKED_SCHEDULES else 1
+
+
+def check_chunks(name: str, num_chunks) -> None:
+    """Raises :class:`PipelineConfigError` unless schedule ``name`` runs ``num_chunks`` chunks a rank."""
+    check_count("num_chunks", num_chunks, "one stage a rank")
+    if name == "zb-v" and num_chunks != 2:
+        raise PipelineConfigError(f"schedule='zb-v' runs two chunks a rank (a V), not num_chunks={num_chunks}.")
+    if name == "interleaved-1f1b" and num_chunks < 2:
+        raise PipelineConfigError(
+            "schedule='interleaved-1f1b' needs num_chunks of 2 or more (one chunk a rank is schedule='1f1b')."
+        )
+    if name not in CHUNKED_SCHEDULES and num_chunks != 1:
+        raise PipelineConfigError(
+            f"schedule={name!r} runs one chunk a rank, not num_chunks={num_chunks}; several chunks a rank "
+            f"run under {' or '.join(map(repr, CHUNKED_SCHEDULES))}."
+        )
 
 
 def hold_for(
@@ -279,14 +336,14 @@ def hold_for(
 
 def check_name(name, auto: bool = True) -> None:
     """Raises :class:`PipelineConfigError` unless ``name`` is a schedule, or ``"auto"`` (:mod:`keras_pipe.auto`)."""
-    known = (*SCHEDULES, "auto") if auto else SCHEDULES
+    known = (*SCHEDULES, *CHUNKED_SCHEDULES, "auto") if auto else (*SCHEDULES, *CHUNKED_SCHEDULES)
     if name not in known:
         raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(map(repr, known))}.")
 
 
 def needs_split_backward(name: str) -> bool:
     """Whether the schedule only exists with a split backward (I and W)."""
-    return name == "zb-h1"
+    return name in ("zb-h1", "zb-v")
 
 
 def max_in_flight(actions: list[Action]) -> int:

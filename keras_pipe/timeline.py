@@ -95,7 +95,7 @@ class PipelineTimeline(keras.callbacks.Callback):
         name = model.schedule if picker is None else f"auto, {picker.current()}"
         if self.events and self.events[-1]["spans"]:
             m = 1 + max(span[2] for event in self.events for span in event["spans"])
-        self.theoretical_bubble = (model.num_stages - 1) / (m + model.num_stages - 1)
+        self.theoretical_bubble, formula = _theoretical_bubble(model.engine, m)
         self.bubble = bubble_fraction(everyone)
         if comm.rank == 0 and any(everyone):
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,9 +104,22 @@ class PipelineTimeline(keras.callbacks.Callback):
             print(
                 f"PipelineTimeline: {model.num_stages} stages, {m} micro-batches, {name}: bubble "
                 f"{100 * self.bubble:.1f}% measured, {100 * self.theoretical_bubble:.1f}% in theory "
-                f"((P - 1) / (m + P - 1)); trace in {self.path}",
+                f"({formula}); trace in {self.path}",
                 flush=True,
             )
+
+
+def _theoretical_bubble(engine, m: int) -> tuple[float, str]:
+    """The bubble a schedule has in theory, and how it is found (one chunk a rank: as 1F1B and GPipe have it)."""
+    p, v = engine.num_stages, engine.num_chunks
+    if v == 1:
+        return (p - 1) / (m + p - 1), "(P - 1) / (m + P - 1)"
+    if engine.schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1), "(P - 1) / (v m + P - 1)"
+    from keras_pipe import schedule, simulator
+
+    plan = schedule.make_schedule(engine.schedule, p, m, True, num_chunks=v)
+    return simulator.bubble(plan, simulator.DURATIONS, engine.placement), "the simulator's, F = I = W"
 
 
 def chrome_trace(per_rank: list[list[dict]]) -> dict:

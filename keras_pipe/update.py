@@ -185,6 +185,33 @@ class StageUpdate:
         return float(self._program("squared_norm", squares)(*grads))
 
 
+def apply_together(computes: list, optimizer, grads: list, scale: float | None = None) -> None:
+    """One optimizer step over the weights of several stage computes (a rank's chunks), in one program.
+
+    ``grads[k]``: the summed gradients of ``computes[k]``'s trainable
+    variables. One ``apply`` counts one step (``iterations``, a loss scale's
+    counter), as the unsplit model's does; ``scale`` multiplies every
+    gradient first.
+    """
+    variables = [v for compute in computes for v in compute.trainable_variables]
+    flat = [g for part in grads for g in part]
+
+    def update(*grads):
+        optimizer.apply(list(grads), variables)
+
+    def scaled_update(scale, *grads):
+        optimizer.apply([_scaled(g, scale) for g in grads], variables)
+
+    if scale is None:
+        computes[0]._program(("apply_chunks", id(optimizer)), update)(*flat)
+    else:
+        computes[0]._program(("scaled_apply_chunks", id(optimizer)), scaled_update)(
+            tf.constant(scale, tf.float32), *flat
+        )
+    for compute in computes:
+        compute.gradients.reset()
+
+
 GROUP_BYTES = 64 * 2**20
 """The least weight bytes of one ``W``-and-update program where a stage's update is cut into several."""
 

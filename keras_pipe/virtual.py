@@ -18,8 +18,13 @@ drains ``v`` times faster while a micro-batch crosses ranks ``v`` times:
   and the ``W`` filling the bubbles, at 1F1B's activation memory.
 
 They are checked like the others by :func:`keras_pipe.simulator.simulate`
-(given the placement). The executor runs one chunk per rank so far: these
-schedules are not yet among :data:`keras_pipe.schedule.SCHEDULES`.
+(given the placement), and are :data:`keras_pipe.schedule.CHUNKED_SCHEDULES`:
+``PipelineModel(..., schedule="interleaved-1f1b", num_chunks=v)`` or
+``schedule="zb-v"``. :func:`chunked_gpipe` and :func:`chunked_forward_only`
+run any placement for any number of micro-batches: a batch whose count of
+micro-batches interleaved 1F1B cannot take (the last, short one), a loss
+over the whole batch (counted before any backward), evaluation and
+prediction.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from keras_pipe.schedule import (
     FORWARD,
     FORWARD_BACKWARD,
     Action,
+    Holding,
     _check,
     _holdings,
     _split,
@@ -125,3 +131,50 @@ def _fuse_last(actions: list[Action], chunk: int) -> list[Action]:
             action = Action(FORWARD_BACKWARD, action.microbatches, chunk)
         fused.append(action)
     return fused
+
+
+def chunked_gpipe(
+    placement: list[list[int]], num_microbatches: int, split_backward: bool = False, whole_batch_loss: bool = False
+) -> list[list[Action]]:
+    """Every chunk's forwards, chunk after chunk, then the backwards in the reverse order (GPipe over chunks).
+
+    Each rank runs its actions in the order of (chunk, micro-batch), and
+    every action's input comes from an earlier (chunk, micro-batch), so any
+    placement runs without deadlock, for any number of micro-batches, at
+    GPipe's memory. The last virtual stage runs each backward with its
+    forward, unless ``whole_batch_loss``: then it too runs every forward
+    first.
+
+    ```
+    # 2 ranks, loop placement, 2 micro-batches:
+    # rank 0: F0 F1 F0@1 F1@1 B0@1 B1@1 B0 B1
+    # rank 1: F0 F1 FB0@1 FB1@1 B0 B1
+    ```
+
+    >>> [str(a) for a in chunked_gpipe(loop_placement(2, 2), 2)[0]]
+    ['F0', 'F1', 'F0@1', 'F1@1', 'B0@1', 'B1@1', 'B0', 'B1']
+    """
+    _check(len(placement), num_microbatches)
+    last = sum(map(len, placement)) - 1
+    m = num_microbatches
+    schedule = []
+    for stages in placement:
+        chunks = range(len(stages))
+        actions = [act(FORWARD, i, chunk=c) for c in chunks for i in range(m)]
+        actions += [act(BACKWARD, i, chunk=c) for c in reversed(chunks) for i in range(m)]
+        fused = [c for c in chunks if stages[c] == last and not whole_batch_loss]
+        schedule.append(_fuse_last(actions, fused[0]) if fused else actions)
+    # (holding every micro-batch for one W a chunk, as GPipe does)
+    everything = Holding(float(m * max(map(len, placement))) + 1)
+    return _split(schedule, split_backward, [everything] * len(placement))
+
+
+def chunked_forward_only(num_ranks: int, num_microbatches: int, num_chunks: int) -> list[list[Action]]:
+    """Forwards only, chunk after chunk (evaluation and prediction with several chunks a rank).
+
+    >>> [str(a) for a in chunked_forward_only(2, 2, 2)[0]]
+    ['F0', 'F1', 'F0@1', 'F1@1']
+    """
+    _check(num_ranks, num_microbatches)
+    check_count("num_chunks", num_chunks, "1: one stage a rank")
+    return [[act(FORWARD, i, chunk=c) for c in range(num_chunks) for i in range(num_microbatches)]] * num_ranks

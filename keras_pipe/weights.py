@@ -80,7 +80,7 @@ def copy_from_first_replica(engine, optimizer=None) -> None:
     variables = stage_weights(engine)
     if optimizer is not None and replicas.bcast_json(bool(optimizer.built), root=0):
         if not optimizer.built:
-            optimizer.build(engine.compute.trainable_variables)
+            optimizer.build(engine.trainable_variables)
         variables += list(optimizer.variables)
     for variable in variables:
         value = replicas.bcast_array(np.array(variable.numpy()), root=0)

@@ -19,7 +19,13 @@ from keras_pipe.schedule import (
     zero_bubble_h1,
 )
 from keras_pipe.simulator import DURATIONS, durations_of, makespan, simulate
-from keras_pipe.virtual import interleaved_one_f_one_b, loop_placement, v_placement
+from keras_pipe.virtual import (
+    chunked_forward_only,
+    chunked_gpipe,
+    interleaved_one_f_one_b,
+    loop_placement,
+    v_placement,
+)
 from keras_pipe.zero_bubble import zero_bubble_v
 
 
@@ -146,3 +152,31 @@ def test_docs_show_what_the_simulator_says():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (root / "docs" / "schedules.md").read_text() == module.report(4, 8), "run benchmarks/schedules.py"
+
+
+@pytest.mark.parametrize(
+    "placement", [loop_placement(1, 2), loop_placement(3, 2), loop_placement(2, 3), v_placement(3)]
+)
+@pytest.mark.parametrize("microbatches", [1, 2, 5])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("whole_batch_loss", [False, True])
+def test_gpipe_over_chunks_runs_any_placement_and_any_count(placement, microbatches, split, whole_batch_loss):
+    # what a chunked pipeline runs for a short batch (interleaving needs whole rounds) or a whole-batch loss
+    schedule = chunked_gpipe(placement, microbatches, split, whole_batch_loss)
+    for seed in range(3):
+        simulate(schedule, _random_durations(seed), placement)
+    _check_order(schedule, len(placement[0]), microbatches)
+    final = sum(map(len, placement)) - 1
+    ((r, c),) = [(r, c) for r, stages in enumerate(placement) for c, k in enumerate(stages) if k == final]
+    kinds = {a.kind for a in schedule[r] if a.chunk == c}
+    # the loss's stage runs every forward before any backward where the loss needs the whole batch
+    assert (FORWARD in kinds) == whole_batch_loss, (whole_batch_loss, format_actions(schedule[r]))
+    forwards = chunked_forward_only(len(placement), microbatches, len(placement[0]))
+    simulate(forwards, DURATIONS, placement)
+
+
+def test_gpipe_over_chunks_matches_the_diagram():
+    assert [format_actions(a) for a in chunked_gpipe(loop_placement(2, 2), 2)] == [
+        "F0 F1 F0@1 F1@1 B0@1 B1@1 B0 B1",
+        "F0 F1 FB0@1 FB1@1 B0 B1",
+    ]

@@ -25,6 +25,9 @@ CONFIGURATIONS += [(split_layers, 2, "1f1b", False)]
 # schedule="auto": its first ten steps alternate 1F1B and ZB-H1, then every rank trains on with the
 # one it picked (the same on every rank); the fit is the same either way.
 CONFIGURATIONS += [(split_layers, 4, "auto", False)]
+# Several chunks a rank (4 ranks only; tests/mpi_scripts/chunks.py runs them on 2): interleaved 1F1B
+# over 8 virtual stages, and ZB-V with the recorded backward on some chunks
+CONFIGURATIONS += [(split_layers, 8, "interleaved-1f1b", False), (layers, 4, "zb-v", False)]
 # Four ranks train every configuration; one and three ranks (the suite's time: each configuration
 # compiles its programs anew) a subset that together covers each of them once more.
 SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8]}
