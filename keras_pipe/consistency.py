@@ -38,6 +38,7 @@ def model_fingerprint(model) -> dict:
         "balance": list(model.balance or []),
         "num_microbatches": model.num_microbatches,
         "schedule": model.schedule,
+        "chunks a rank": model.engine.num_chunks,
         "input": list(map(str, model._pipeline_input or [])),
         "dtype_policy": str(getattr(model.dtype_policy, "name", model.dtype_policy)),
     }

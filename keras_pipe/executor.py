@@ -15,6 +15,14 @@ that hold one weight, the update::
     # stage 0: F0 F1 I0 W0 F2 I1 W1 F3 I2 I3 W2-3 [update]
     # stage 1:    FI0 W0 FI1 W1 FI2 W2 FI3 W3 [update]
 
+A rank that holds several virtual stages (:mod:`keras_pipe.chunks`) has one
+compute and one set of links a chunk; each action names its chunk, and the
+step still ends with one optimizer step (each chunk's last ``W`` updating
+its own weights where the optimizer allows, one of them counting the step)::
+
+    # ZB-V on 2 ranks, rank 1 (virtual stages 1 and 2; "@1": chunk 1, the V's way back):
+    # F0 F0@1 F1 F1@1 I0@1 I0 W0@1 I1@1 I1 ... W3@1 [update chunk 1] W3 [update chunk 0, counted]
+
 Example (any compute and links with the same methods will do; the tests
 replay schedules with fakes):
 
@@ -34,7 +42,7 @@ import tensorflow as tf
 
 from keras_pipe.chunks import Chunk
 from keras_pipe.schedule import Action, Kind
-from keras_pipe.update import apply_together
+from keras_pipe.update import apply_together, separable
 
 
 @dataclass
@@ -145,6 +153,7 @@ class Executor:
         self._last_weights = {
             a.chunk: p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT
         }  # (the last W of each chunk: positions grow)
+        self._fused, self._counting = self._plan_update(batch)
         of_chunk = " of chunk {}" if len(self.chunks) > 1 else ""
         try:
             if batch.phase == "train":
@@ -256,7 +265,7 @@ class Executor:
         began = time.perf_counter()
         rows = sum(batch.bounds[i][1] - batch.bounds[i][0] for i in action.microbatches)
         final = position == self._last_weights.get(action.chunk)
-        fused = final and self._fuses_update(batch)
+        fused = final and action.chunk in self._fused
         compute = chunk.compute
         compute.weights(
             action.microbatches,
@@ -264,19 +273,34 @@ class Executor:
             regularize=final and batch.regularize,
             loss_scale=self._loss_scale,
             optimizer=batch.optimizer if fused else None,
+            counts=position == self._counting,
         )
         if self.tracer is not None and compute.trainable_variables:
             compute.trainable_variables[0].numpy()  # wait for it, so that the span shows its cost
         self._span("weights", -1 if len(action.microbatches) > 1 else action.microbatch, began)
 
-    def _fuses_update(self, batch: Batch) -> bool:
-        """Whether a stage's last ``W`` applies the update itself: one chunk, nothing to sum with other ranks first.
+    def _plan_update(self, batch: Batch) -> tuple[set, int | None]:
+        """Which chunks' last ``W`` apply their update themselves, and the position of the one that counts the step.
 
-        (With several chunks the update is one program over every chunk's
-        weights at the end of the step, so the optimizer counts one step.)
+        A last ``W`` updates the weights in its own program when nothing must
+        be summed with other ranks first (replicas, shared weights, the whole
+        model's norm). With several chunks each updates its own weights, so
+        only where the optimizer updates each weight from its own gradient
+        (:func:`~keras_pipe.update.separable`), and one of them, the last,
+        counts ``iterations``; a chunk without a ``W`` (its backward
+        recorded) is updated at the end of the step, which then counts it.
         """
-        alone = len(self.chunks) == 1 and self.reducer is None and self.tied is None
-        return alone and not _needs_whole_model(batch)
+        if batch.phase != "train" or self.reducer is not None or self.tied is not None or _needs_whole_model(batch):
+            return set(), None
+        if len(self.chunks) > 1 and not separable(batch.optimizer):
+            return set(), None
+        weighted = [c for c, chunk in enumerate(self.chunks) if chunk.compute.trainable_variables]
+        fused = {c for c in weighted if c in self._last_weights and self.chunks[c].compute.gradients.empty}
+        if len(self.chunks) == 1:
+            return {0} if 0 in self._last_weights else set(), self._last_weights.get(0)
+        if not fused or len(fused) < len(weighted):
+            return fused, None
+        return fused, max(self._last_weights[c] for c in fused)
 
     # -- the end of a step ------------------------------------------------------
 
@@ -331,7 +355,9 @@ class Executor:
 
     def _update_chunks(self, batch: Batch) -> None:
         """Several chunks: one optimizer step over every chunk's summed gradients (the whole model's norm first)."""
-        computes = [chunk.compute for chunk in self.chunks]
+        computes = [chunk.compute for c, chunk in enumerate(self.chunks) if c not in self._fused]
+        if self._fused and self._counting is not None:
+            return  # every chunk's last W updated its weights, and one counted the step
         grads = [compute.gradients.result() if compute.trainable_variables else [] for compute in computes]
         scale = None
         if _needs_whole_model(batch):

@@ -21,14 +21,22 @@ class StageUpdate:
     """Gradient-level methods of a stage's compute (a mixin: ``StageCompute`` provides the state)."""
 
     def weights(
-        self, microbatches, activity_scale: float, regularize: bool, optimizer=None, loss_scale: float = 1.0
+        self,
+        microbatches,
+        activity_scale: float,
+        regularize: bool,
+        optimizer=None,
+        loss_scale: float = 1.0,
+        counts: bool = True,
     ) -> None:
         """``W`` over ``microbatches``: adds their weight gradients (and, if ``regularize``, the weight regularizers').
 
         With an ``optimizer`` (the step's last ``W`` and no replica or other
         stage to wait for) the gradients go straight into its update, in the
         same program (one a group of weights on a large stage:
-        :meth:`_update_groups`).
+        :meth:`_update_groups`). ``counts``: whether this update counts the
+        step in ``optimizer.iterations`` (of a rank's several chunks, each
+        updating its own weights, one does).
         """
         parts = [self._for_weights.pop(i) for i in microbatches]
         if not self.trainable_variables:
@@ -41,7 +49,8 @@ class StageUpdate:
         if optimizer is not None and self.gradients.empty:
             groups = self._update_groups(optimizer)
             for number, (positions, indices) in enumerate(groups):
-                self._weights_update(optimizer, regularize, number, len(groups), positions, indices)(
+                counted = counts and number == len(groups) - 1
+                self._weights_update(optimizer, regularize, counted, positions, indices, number)(
                     [inputs[p] for p in positions], [grads[p] for p in positions], *scales
                 )
             return
@@ -50,6 +59,8 @@ class StageUpdate:
         self.gradients.add(result)
         if optimizer is not None:
             self.apply(optimizer)
+            if not counts:
+                optimizer.iterations.assign_sub(1)
 
     def _weight_grads(self, positions, indices, regularize: bool):
         """The traced ``W`` of the weighted steps at ``positions``: the gradients of the variables at ``indices``."""
@@ -73,9 +84,14 @@ class StageUpdate:
 
         return weight_grads
 
-    def _weights_update(self, optimizer, regularize: bool, number: int, count: int, positions, indices):
-        """The program of ``W`` and the update of one group of the stage's weights (see :meth:`_update_groups`)."""
-        key = ("weights_update", id(optimizer), regularize, number, count)
+    def _weights_update(self, optimizer, regularize: bool, counted: bool, positions, indices, number: int):
+        """The program of ``W`` and the update of group ``number`` of the stage's weights (see :meth:`_update_groups`).
+
+        ``counted``: whether the update leaves ``optimizer.iterations`` one
+        step on (else it takes back what ``apply`` added: one step, several
+        updates).
+        """
+        key = ("weights_update", id(optimizer), regularize, number, counted)
         if key in self._programs:  # (every step: the group's variables and layers are looked up once)
             return self._programs[key]
         variables = [self.trainable_variables[i] for i in indices]
@@ -83,7 +99,8 @@ class StageUpdate:
 
         def weights_and_update(inputs, grads, activity_scale, loss_scale):
             optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), variables)
-            _count_once(optimizer, number, count)
+            if not counted:
+                optimizer.iterations.assign_sub(1)
 
         return self._program(key, weights_and_update)
 
@@ -269,12 +286,6 @@ def _grouped(weighted: list[int], steps, variables) -> list[tuple[list[int], lis
     rest = [i for i in range(len(variables)) if i not in placed]  # a weight no weighted step reads
     result[-1] = (result[-1][0], result[-1][1] + rest)
     return result
-
-
-def _count_once(optimizer, number: int, count: int) -> None:
-    """After group ``number`` of ``count`` updated its weights: one step, so only the last counts ``iterations``."""
-    if number < count - 1:
-        optimizer.iterations.assign_sub(1)
 
 
 def _cut(sizes: list[int], closable: list[bool]) -> list[list[int]]:

@@ -33,6 +33,7 @@ LONGEST_FIRST = [
     "test_equivalence.py",
     "test_notebook.py",
     "test_network.py",
+    "test_chunks.py",
     "test_saving.py",
     "test_bad_input.py",
     "test_callbacks.py",

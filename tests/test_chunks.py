@@ -8,14 +8,15 @@ and refuses what chunks do not run yet. ``test_equivalence.py`` trains
 both schedules on 4 ranks too.
 """
 
+import keras
 import numpy as np
 import pytest
 from mpi import run_mpi
-from test_executor import FakeCompute, FakeLinks, OneTerm, Status
+from test_executor import FakeCompute, FakeLinks, Status, training_batch
 
 from keras_pipe.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.executor import Batch, Executor
+from keras_pipe.executor import Executor
 from keras_pipe.schedule import check_chunks, default_chunks, make_schedule, placement
 
 
@@ -75,28 +76,17 @@ def test_which_schedules_take_chunks():
         ranks_of_virtual_stages([[0, 2], [2, 3]])
 
 
-def test_two_chunks_run_in_the_schedules_order_and_update_once():
-    # rank 0 of ZB-V on one rank holds the first and the last virtual stage: each action goes to its chunk's
-    # compute and links, and the step ends with one update over both chunks (not one a chunk)
+def _run_two_chunks(optimizer, fusable: bool):
+    """Rank 0 of ZB-V on one rank (the first and the last virtual stage): each chunk's log, and the end's updates."""
     logs = [[], []]
     computes = [FakeCompute(logs[0], True), FakeCompute(logs[1], True)]
     for compute in computes:
-        compute.gradients.empty = False
+        compute.gradients.empty = fusable
         compute.squared_norm = lambda grads: 1.0
     chunks = [Chunk(computes[c], FakeLinks(logs[c]), c == 0, c == 1) for c in range(2)]
     executor = Executor(None, None, None, True, True, Status(), "stage 0", chunks=chunks)
     m = 2
-    batch = Batch(
-        phase="train",
-        batch_size=4 * m,
-        bounds=[(4 * i, 4 * i + 4) for i in range(m)],
-        x=[np.zeros((4 * m, 1))],
-        y=np.zeros(4 * m),
-        loss=OneTerm(),
-        shares=np.full((m, 1), 1.0 / m),
-        term_weights=np.ones(1),
-        optimizer="adam",
-    )
+    batch = training_batch(m, optimizer)
     updates = []
     import keras_pipe.executor as executor_module
 
@@ -106,11 +96,27 @@ def test_two_chunks_run_in_the_schedules_order_and_update_once():
         executor.run(make_schedule("zb-v", 1, m, num_chunks=2)[0], batch)
     finally:
         executor_module.apply_together = original
+    return logs, updates
+
+
+def test_two_chunks_run_in_the_schedules_order_and_update_once():
+    # each action goes to its chunk's compute and links; the step ends with one update over both chunks
+    # (an optimizer that reads every gradient at once: Nadam), not one a chunk
+    logs, updates = _run_two_chunks(keras.optimizers.Nadam(), fusable=True)
     assert logs[0] == ["F0", "send activation", "receive gradient", "I0", "F1", "send activation", "W0",
                        "receive gradient", "I1", "W1"]  # fmt: skip
     assert logs[1] == ["receive activation", "FI0", "send gradient", "W0", "receive activation", "FI1",
                        "send gradient", "W1"]  # fmt: skip
     assert updates == [2]
+
+
+def test_each_chunks_last_weight_pass_updates_its_weights_and_one_counts_the_step():
+    logs, updates = _run_two_chunks(keras.optimizers.Adam(), fusable=True)
+    assert logs[1][-1] == "W1+update uncounted" and logs[0][-1] == "W1+update"  # (chunk 0's W1 comes last)
+    assert updates == []
+    # gradients already summed (a recorded backward's): the end of the step updates both chunks at once
+    logs, updates = _run_two_chunks(keras.optimizers.Adam(), fusable=False)
+    assert logs[0][-1] == logs[1][-1] == "W1" and updates == [2]
 
 
 @pytest.mark.parametrize("nprocs", [2])

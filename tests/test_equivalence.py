@@ -4,8 +4,10 @@ For P = 1, 3 and 4 ranks, micro-batch counts 1, 2 and 4 and both schedules, with
 final partial batch, sample weights, weight and activity regularizers and a
 validation split: loss and metric history, final weights, evaluate() and
 predict() equal single-process Sequential to float32 round-off. Four ranks train
-every configuration of ``mpi_scripts/equivalence.py``; one and three ranks split
-them between them, so that each is trained on two rank counts.
+every configuration of ``mpi_scripts/equivalence.py`` (with several chunks a rank
+too: interleaved 1F1B over 8 virtual stages, ZB-V); one and three ranks split the
+one-chunk ones between them, so that each is trained on two rank counts
+(``test_chunks.py`` trains the chunked ones on two ranks).
 """
 
 import pytest

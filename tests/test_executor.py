@@ -43,8 +43,9 @@ class FakeCompute:
         self.log.append(f"{'I' if self.split else 'B'}{i}")
         return [np.zeros(1)]
 
-    def weights(self, microbatches, scale, regularize, optimizer, loss_scale=1.0):
-        self.log.append(f"W{'-'.join(map(str, microbatches))}" + ("+update" if optimizer else ""))
+    def weights(self, microbatches, scale, regularize, optimizer, loss_scale=1.0, counts=True):
+        update = ("+update" + ("" if counts else " uncounted")) if optimizer else ""
+        self.log.append(f"W{'-'.join(map(str, microbatches))}" + update)
 
     def apply(self, optimizer, grads=None, scale=None):
         self.log.append("update")
@@ -98,7 +99,13 @@ def replay(schedule_name, stage, num_stages, m, split):
         status=Status(),
         where=f"stage {stage}",
     )
-    batch = Batch(
+    executor.run(actions, training_batch(m))
+    return log
+
+
+def training_batch(m: int, optimizer="adam") -> Batch:
+    """A training batch of ``m`` micro-batches of 4 rows, one loss term."""
+    return Batch(
         phase="train",
         batch_size=4 * m,
         bounds=[(4 * i, 4 * i + 4) for i in range(m)],
@@ -107,10 +114,8 @@ def replay(schedule_name, stage, num_stages, m, split):
         loss=OneTerm(),
         shares=np.full((m, 1), 1.0 / m),
         term_weights=np.ones(1),
-        optimizer="adam",
+        optimizer=optimizer,
     )
-    executor.run(actions, batch)
-    return log
 
 
 def test_one_f_one_b_first_stage():
