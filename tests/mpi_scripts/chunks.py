@@ -2,10 +2,9 @@
 
 Run as ``mpirun -n P python chunks.py [case ...]``; prints ``CHUNKS OK <case> rank R`` per case and rank.
 
-- ``equivalence``: both test chains (split backward, and a recorded one with
-  an activity regularizer after an activation), interleaved 1F1B with 2 and
-  3 chunks and ZB-V, a last batch too short for interleaving's rounds
-  (GPipe over chunks): history, weights, ``evaluate`` and ``predict``;
+- ``equivalence``: the split backward's test chain under interleaved 1F1B
+  with 2 and 3 chunks and ZB-V, a last batch too short for interleaving's
+  rounds (GPipe over chunks): history, weights, ``evaluate`` and ``predict``;
 - ``features``: ``global_clipnorm`` (the whole model's norm over every
   chunk), a Keras mask crossing chunks (a recorded chunk among split ones),
   a masked output under a mean loss (counted over the whole batch first);
@@ -20,7 +19,7 @@ import tempfile
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, compile_args, data, layers, split_layers
+from common import RANK, SIZE, assert_close, compile_args, data, split_layers
 
 import keras_pipe
 from keras_pipe import PipelineConfigError, PipelineModel
@@ -52,11 +51,11 @@ def equal(what, model, expected_model, history, expected):
 
 
 def equivalence():
-    for chain in (split_layers, layers):
+    # (the recorded backward's chain, layers(), trains under ZB-V in equivalence.py on 4 ranks; chunks
+    # whose backward is recorded train here in features(): a Keras mask crosses them)
+    for chain in (split_layers,):
         expected_model, initial, expected = reference(chain)
         for schedule, chunks, m in SCHEDULES:
-            if chain is layers and chunks == 3:
-                continue  # (three chunks a rank once: the suite's time)
             model = PipelineModel(chain(), num_microbatches=m, schedule=schedule, num_chunks=chunks)
             model.set_weights(initial)
             model.compile(**compile_args())
