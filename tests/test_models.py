@@ -18,8 +18,9 @@ def test_keras_hub_models_equal_the_unsplit_model(nprocs):
     # one rank: the encoder and decoder stacks (issue 19's masks, micro-batched); two ranks: BERT's
     # two Functional models (several inputs, two outputs with a loss each); four ranks: the masks
     # crossing three boundaries and GPT-2's tied embedding (GPT-2 on two ranks trains again in
-    # test_saving.py, resumed there, equal to an uninterrupted run)
-    cases = {1: ["encoder", "decoder"], 2: ["bert"], 4: ["encoder", "decoder", "gpt2"]}[nprocs]
+    # test_saving.py, resumed there, equal to an uninterrupted run); two ranks also: the encoder and BERT
+    # with two chunks a rank (ZB-V, interleaved 1F1B)
+    cases = {1: ["encoder", "decoder"], 2: ["bert", "chunked"], 4: ["encoder", "decoder", "gpt2"]}[nprocs]
     launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
     assert launch.returncode == 0, launch.output
     for case in cases:

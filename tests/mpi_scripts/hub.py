@@ -14,7 +14,8 @@ batch's real tokens. ``gpt2``: ``GPT2CausalLM`` (its token embedding called
 again as the head: one weight on the first and the last stage; its
 ``padding_mask`` input read by every block). ``bert``: a classifier on
 ``BertBackbone``'s ``pooled_output``, and a model that trains both of its
-outputs with a loss each.
+outputs with a loss each. ``chunked``: two chunks a rank, the encoder under
+ZB-V and BERT's two-output model under interleaved 1F1B.
 """
 
 import sys
@@ -83,7 +84,7 @@ def adamw():
     )
 
 
-def encoder(case):
+def encoder(case, **pipeline_args):
     def make():
         return keras.Sequential(
             [
@@ -96,7 +97,7 @@ def encoder(case):
             ]
         )
 
-    model = compare(case, make, adamw, tokens, classes, num_microbatches=4)
+    model = compare(case, make, adamw, tokens, classes, **{"num_microbatches": 4, **pipeline_args})
     if SIZE > 1:  # the mask measured on real tensors crosses every boundary after the embedding
         crossing = [t for t in model.engine.cut.crossings if t.source == 0][0]
         assert model.engine.masks[crossing.tensor] is not None, model.engine.masks
@@ -153,7 +154,7 @@ def gpt2(case):
         assert "token_embedding" in model.engine.cut.shared, model.engine.cut.shared  # tied: first and last stage
 
 
-def bert(case):
+def bert(case, both_only=False, **pipeline_args):
     def backbone():
         return keras_hub.models.BertBackbone(
             vocabulary_size=VOCAB,
@@ -199,11 +200,19 @@ def bert(case):
             metrics={"classes": ["sparse_categorical_accuracy"]},
         )
 
-    compare(case, classifier, one_loss, x, classes, num_microbatches=2)
-    compare(case, both, two_losses, x, {"classes": classes, "tokens": tokens}, num_microbatches=2)
+    if not both_only:
+        compare(case, classifier, one_loss, x, classes, num_microbatches=2, **pipeline_args)
+    compare(case, both, two_losses, x, {"classes": classes, "tokens": tokens}, num_microbatches=2, **pipeline_args)
 
 
-CASES = {"encoder": encoder, "decoder": decoder, "gpt2": gpt2, "bert": bert}
+def chunked(case):
+    """Two chunks a rank: the encoder under ZB-V (its run-time mask crosses every chunk, once from a rank to
+    itself) and BERT's two-output model under interleaved 1F1B."""
+    encoder(case, schedule="zb-v")
+    bert(case, schedule="interleaved-1f1b", both_only=True)
+
+
+CASES = {"encoder": encoder, "decoder": decoder, "gpt2": gpt2, "bert": bert, "chunked": chunked}
 for name in sys.argv[1:] or list(CASES):
     CASES[name](name)
     print(f"HUB OK {name} rank {RANK}", flush=True)
