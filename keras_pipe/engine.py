@@ -156,6 +156,20 @@ class Engine:
                 stacklevel=4,
             )
         virtual = self.num_stages * self.num_chunks
+        try:
+            sizes = self._sizes(model_graph, virtual, rows)
+        except PipelineConfigError as error:
+            if self.num_chunks == 1:
+                raise
+            raise PipelineConfigError(
+                f"{error} (with {self.num_chunks} chunks a rank there are {virtual} virtual stages: balance lists "
+                f"{virtual} sizes, split_before {virtual - 1} names)"
+            ) from None
+        return self._finish_build(model_graph, cuts.cut(plain, sizes), sizes, release)
+
+    def _sizes(self, model_graph, virtual: int, rows: int) -> list[int]:
+        """Nodes per (virtual) stage, as ``split_before`` or ``balance`` say."""
+        plain = model_graph.plain
         if self.split_before is not None:
             sizes = cuts.sizes_before(plain, self.split_before, virtual)
         elif self.balance_option is None:
@@ -169,7 +183,10 @@ class Engine:
             sizes = balance_by_time(model_graph, self.num_stages, self.world, self.stage, rows)
         else:
             sizes = cuts.sizes_of_layers(plain, self.balance_option, virtual)
-        the_cut = cuts.cut(plain, sizes)
+        return sizes
+
+    def _finish_build(self, model_graph, the_cut, sizes, release: bool) -> list:
+        """This rank's chunks of ``the_cut``: their weights allocated, computes, links and the executor."""
         if self.num_chunks > 1:
             self._check_chunked(the_cut)
         self.graph, self.cut, self.balance = model_graph, the_cut, list(sizes)

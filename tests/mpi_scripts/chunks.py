@@ -181,6 +181,13 @@ def errors():
         assert "balance='time'" in str(error) and f"{2 * SIZE} sizes" in str(error), str(error)
     else:
         raise AssertionError("balance='time' with chunks built")
+    model = PipelineModel(split_layers(), schedule="zb-v", balance=[1] * SIZE)
+    try:
+        model.build((None, 12))
+    except PipelineConfigError as error:
+        assert f"there are {2 * SIZE} virtual stages: balance lists {2 * SIZE} sizes" in str(error), str(error)
+    else:
+        raise AssertionError("a balance of one size a rank built with two chunks a rank")
     if SIZE % 2 == 0:
         model = PipelineModel(split_layers(), schedule="zb-v", num_stages=SIZE // 2, num_microbatches=2)
         try:
