@@ -292,12 +292,12 @@ class Executor:
         """
         if batch.phase != "train" or self.reducer is not None or self.tied is not None or _needs_whole_model(batch):
             return set(), None
-        if len(self.chunks) > 1 and not separable(batch.optimizer):
+        if len(self.chunks) == 1:
+            return {0} if 0 in self._last_weights else set(), self._last_weights.get(0)
+        if not separable(batch.optimizer):
             return set(), None
         weighted = [c for c, chunk in enumerate(self.chunks) if chunk.compute.trainable_variables]
         fused = {c for c in weighted if c in self._last_weights and self.chunks[c].compute.gradients.empty}
-        if len(self.chunks) == 1:
-            return {0} if 0 in self._last_weights else set(), self._last_weights.get(0)
         if not fused or len(fused) < len(weighted):
             return fused, None
         return fused, max(self._last_weights[c] for c in fused)
