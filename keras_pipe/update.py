@@ -168,17 +168,7 @@ class StageUpdate:
         if not self.trainable_variables:
             return
         grads = list(grads) if grads is not None else self.gradients.result()
-
-        def update(*grads):
-            optimizer.apply(list(grads), self.trainable_variables)
-
-        def scaled_update(scale, *grads):
-            optimizer.apply([_scaled(g, scale) for g in grads], self.trainable_variables)
-
-        if scale is None:
-            self._program(("apply", id(optimizer)), update)(*grads)
-        else:
-            self._program(("scaled_apply", id(optimizer)), scaled_update)(tf.constant(scale, tf.float32), *grads)
+        _apply(self, "apply", optimizer, self.trainable_variables, grads, scale)
         self.gradients.reset()
 
     def squared_norm(self, grads, counted=None) -> float:
@@ -211,7 +201,13 @@ def apply_together(computes: list, optimizer, grads: list, scale: float | None =
     gradient first.
     """
     variables = [v for compute in computes for v in compute.trainable_variables]
-    flat = [g for part in grads for g in part]
+    _apply(computes[0], "apply_chunks", optimizer, variables, [g for part in grads for g in part], scale)
+    for compute in computes:
+        compute.gradients.reset()
+
+
+def _apply(compute, name: str, optimizer, variables: list, grads: list, scale: float | None) -> None:
+    """``optimizer.apply(grads, variables)`` as ``compute``'s program ``name`` (``scaled_`` + ``name`` with a scale)."""
 
     def update(*grads):
         optimizer.apply(list(grads), variables)
@@ -220,13 +216,9 @@ def apply_together(computes: list, optimizer, grads: list, scale: float | None =
         optimizer.apply([_scaled(g, scale) for g in grads], variables)
 
     if scale is None:
-        computes[0]._program(("apply_chunks", id(optimizer)), update)(*flat)
+        compute._program((name, id(optimizer)), update)(*grads)
     else:
-        computes[0]._program(("scaled_apply_chunks", id(optimizer)), scaled_update)(
-            tf.constant(scale, tf.float32), *flat
-        )
-    for compute in computes:
-        compute.gradients.reset()
+        compute._program((f"scaled_{name}", id(optimizer)), scaled_update)(tf.constant(scale, tf.float32), *grads)
 
 
 GROUP_BYTES = 64 * 2**20
