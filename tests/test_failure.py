@@ -1,11 +1,23 @@
-"""A rank that fails ends the whole job, non-zero, within seconds, naming itself."""
+"""A rank that fails ends the whole job, non-zero, within seconds, naming itself.
+
+Each bound is measured from the failure (``Launch.seconds_after`` the failing
+rank's marker), not from the launch's start: TensorFlow's import on a loaded
+machine takes several times as long as on an idle one, while what follows a
+failure (an announcement, a poll, an abort) is mostly waiting. So these run
+beside other tests; the bounds are several times what they take alone. The
+killed rank's test runs alone: its ranks train under a 15 s stall timeout,
+which a first step traced on two loaded cores can pass before the kill.
+"""
 
 import re
 
 import pytest
 from mpi import run_mpi
 
-pytestmark = pytest.mark.alone  # bounds on launch durations (see conftest.py)
+# Seconds from a failure to the job's end: about 1 alone on 2 cores (9 from the start of the fit that meets
+# the bad label, 4 to the bad validation data, 21 from the first model with a start timeout of 15 s). Run
+# three at a time beside a 4-rank benchmark, the launches took 2 to 4 times as long and these bounds held.
+AFTER_FAILURE = 30
 
 
 @pytest.mark.parametrize(
@@ -20,7 +32,8 @@ pytestmark = pytest.mark.alone  # bounds on launch durations (see conftest.py)
 def test_rank_failure_ends_every_rank(where, message):
     launch = run_mpi(4, "fail_rank.py", "2", where, timeout=120)
     assert launch.returncode != 0, launch.output
-    assert launch.seconds < 60, launch.output
+    # (label: from the start of the fit whose fourth batch has the bad label)
+    assert launch.seconds_after("FAILING AT") < AFTER_FAILURE + (15 if where == "label" else 0), launch.output
     failing = 3 if where == "label" else 2  # (the last stage computes the loss)
     assert f"rank {failing} of 4" in launch.output, launch.output
     assert message in launch.output, launch.output
@@ -32,7 +45,7 @@ def test_validation_data_of_the_wrong_shape_is_the_same_error_on_every_rank_at_o
     # error is raised everywhere (printed once), never left to the first stage while the others wait.
     launch = run_mpi(4, "fail_rank.py", "2", "validation", timeout=120)
     assert launch.returncode != 0, launch.output
-    assert launch.seconds < 60, launch.output
+    assert launch.seconds_after("FAILING AT") < AFTER_FAILURE + 15, launch.output  # from the fit's start
     assert "every rank of 4 raised this error" in launch.output, launch.output
     assert launch.output.count("Invalid input shape") == 1, launch.output
     assert "aborting" not in launch.output, launch.output
@@ -52,7 +65,7 @@ def test_a_rank_failing_before_keras_pipe_is_imported_is_named_within_a_minute(m
     # the default 30 s, to keep the suite short).
     launch = run_mpi(3, "early_failure.py", mode, timeout=120, env={"KERAS_PIPE_START_TIMEOUT": "15"})
     assert launch.returncode != 0, launch.output
-    assert launch.seconds < 60, launch.output
+    assert launch.seconds_after("FIRST MODEL AT") < 15 + AFTER_FAILURE, launch.output
     assert message in launch.output, launch.output
     assert re.search(r"  rank 1: no answer within .*failed before its first PipelineModel", launch.output)
     assert "KERAS_PIPE_START_TIMEOUT" in launch.output, launch.output
@@ -63,7 +76,7 @@ def test_a_rank_failing_before_keras_pipe_is_imported_is_named_within_a_minute(m
 def test_a_rank_failing_after_the_import_ends_the_job_within_seconds():
     launch = run_mpi(3, "early_failure.py", "after-import", timeout=120)
     assert launch.returncode != 0, launch.output
-    assert launch.seconds < 45, launch.output
+    assert launch.seconds_after("FAILING AT") < AFTER_FAILURE, launch.output
     assert "[keras_pipe] rank 1 of 3" in launch.output and "FileNotFoundError" in launch.output, launch.output
     assert "What each rank was doing" not in launch.output, "the failing rank ended the job itself"
 
@@ -78,7 +91,7 @@ def test_under_keras_pipes_runner_a_failure_in_the_first_line_ends_the_job_at_on
     # script's first line (the README's launch line).
     launch = run_mpi(3, "early_failure.py", mode, timeout=120, python_args=("-m", "keras_pipe"))
     assert launch.returncode != 0, launch.output
-    assert launch.seconds < 45, launch.output
+    assert launch.seconds_after("FAILING AT") < AFTER_FAILURE, launch.output
     assert message in launch.output and "[keras_pipe] rank 1 of 3" in launch.output, launch.output
     assert "What each rank was doing" not in launch.output, "the failing rank ended the job itself"
 
@@ -103,6 +116,7 @@ def test_an_error_caught_and_raised_anew_on_every_rank_is_printed_once_not_waite
     assert "aborting" not in launch.output, launch.output
 
 
+@pytest.mark.alone  # stall.py's 15 s stall timeout: a first step traced on loaded cores can take longer
 def test_a_killed_rank_is_named_by_the_survivors():
     # Hydra kills every rank at once when one is killed (nothing can speak then); under
     # a launcher that lets the others run (srun without --kill-on-bad-exit, a wrapper

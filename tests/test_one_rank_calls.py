@@ -1,15 +1,13 @@
 """A collective method called on some ranks only is an error within seconds, not a stall."""
 
-import pytest
 from mpi import run_mpi
-
-pytestmark = pytest.mark.alone  # bounds on launch durations (see conftest.py)
 
 
 def test_save_on_rank_zero_alone_fails_at_once_naming_the_method(tmp_path):
     launch = run_mpi(3, "one_rank_calls.py", str(tmp_path), "save", timeout=120)
     assert launch.returncode != 0, launch.output
-    assert launch.seconds < 60, launch.output
+    # from the save, not the launch's start (TensorFlow's import, slow on a loaded machine): a few s alone
+    assert launch.seconds_after("SAVING AT") < 30, launch.output
     assert "ranks [0]: 'save()'; ranks [1, 2]: 'the end of the script'" in launch.output, launch.output
     assert "outside any `if rank == 0:`" in launch.output
     assert not (tmp_path / "model.keras").exists()

@@ -16,22 +16,37 @@ in its place, as ``BackupAndRestore`` does: two failures announced one after
 the other. Rank 0 hears the first late (as when the OS deschedules it), so the
 second has arrived too; it must still be printed once, never waited on until
 the stall timeout.
+
+Rank 1 prints ``FAILING AT <time.time()>`` as it fails, and rank 0 ``FIRST
+MODEL AT <time.time()>`` as it makes its first model (where the first
+rendezvous's timeout starts), for the tests to measure from: a launch's
+whole duration counts TensorFlow's import, which a loaded machine slows.
 """
 
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 mode = sys.argv[1]
+
+
+def failing():
+    print(f"FAILING AT {time.time()}", flush=True)
+
+
 if mode == "before-mpi" and os.environ.get("PMI_RANK") == "1":  # (Hydra's rank, before MPI exists)
+    failing()
     raise RuntimeError("rank 1 failed before importing mpi4py")
 
 from mpi4py import MPI  # noqa: E402
 
 RANK = MPI.COMM_WORLD.Get_rank()
 if mode == "script" and RANK == 1:
+    failing()
     raise RuntimeError("rank 1 failed in the first lines of its script")
 if mode == "import" and RANK == 1:
+    failing()
     sys.modules["tensorflow"] = None  # importing TensorFlow now raises ImportError
 
 import keras  # noqa: E402
@@ -40,10 +55,9 @@ from common import compile_args, data, layers  # noqa: E402
 import keras_pipe  # noqa: E402
 
 if mode == "after-import" and RANK == 1:
+    failing()
     open("/nonexistent/rank-1/data.npz")  # a typo in a path: FileNotFoundError
 if mode == "raised-anew" and RANK == 0:
-    import time
-
     from keras_pipe import comm
 
     hear_failures, heard_late = comm.note_failures, []
@@ -68,6 +82,7 @@ class ResumeOrExplain(keras.callbacks.Callback):
 
 
 x, y, _ = data(n=64)
+print(f"FIRST MODEL AT {time.time()}", flush=True) if RANK == 0 else None
 model = keras_pipe.PipelineModel(layers(), num_microbatches=0 if mode == "config" else 2)
 model.compile(**compile_args())
 callbacks = [ResumeOrExplain()] if mode == "raised-anew" else []

@@ -4,10 +4,13 @@ Usage: fail_rank.py FAILING_RANK WHERE, with WHERE one of ``callback`` (a
 callback raises), ``layer`` (a layer raises inside the compiled step),
 ``data`` (the rank's data generator raises), ``label`` (a label outside the
 classes, which the last stage finds under XLA) or ``validation`` (every rank is
-given validation data of the wrong shape).
+given validation data of the wrong shape). The failing rank prints ``FAILING AT
+<time.time()>`` as it raises (``label``, ``validation``: as its ``fit`` begins),
+for the tests to measure from.
 """
 
 import sys
+import time
 
 import keras
 import tensorflow as tf
@@ -19,9 +22,14 @@ failing_rank, where = int(sys.argv[1]), sys.argv[2]
 x, y, sw = data(n=640)
 
 
+def failing():
+    print(f"FAILING AT {time.time()}", flush=True)
+
+
 class Boom(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if RANK == failing_rank and self.params and batch == 5 and self._epoch == 1:
+            failing()
             raise RuntimeError(f"boom from a callback on rank {RANK}")
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -39,6 +47,7 @@ class FailingLayer(keras.layers.Layer):
         def check(batch):
             self.seen += len(batch)
             if where == "layer" and RANK == failing_rank and self.seen > 400:
+                failing()
                 raise ValueError(f"a layer failed on rank {RANK}")
             return batch
 
@@ -58,6 +67,7 @@ if where == "data":
     def batches():
         for step in range(1000):
             if RANK == failing_rank and step == 7:
+                failing()
                 raise OSError(f"the data reader failed on rank {RANK}")
             yield x[:32], y[:32]
 
@@ -67,10 +77,12 @@ elif where == "label":
     bad = y.copy()
     bad[100] = 3
     model.compile(**dict(compile_args(), jit_compile=True))
+    failing() if RANK == 3 else None  # (the last stage computes the loss)
     model.fit(x, bad, batch_size=32, epochs=1, verbose=0)
 elif where == "validation":
     # 12 features as (-1, 4, 3): only the first stage reads x, so only it can find out
     bad = (x[:64].reshape((-1, 4, 3)), y[:64])
+    failing() if RANK == 0 else None
     model.fit(x, y, batch_size=32, epochs=1, verbose=0, validation_data=bad)
 else:
     model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[Boom()] if where == "callback" else [])

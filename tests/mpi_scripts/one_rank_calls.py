@@ -3,10 +3,12 @@
 Usage: one_rank_calls.py TMPDIR save|different.
 ``save``: rank 0 alone calls ``model.save`` (the Horovod idiom) while the
 others finish their script; ``different``: rank 0 calls ``evaluate`` while
-the others call ``predict``.
+the others call ``predict``. Rank 0 prints ``SAVING AT <time.time()>`` before
+its ``save``, for the test to measure from.
 """
 
 import sys
+import time
 
 from common import RANK, compile_args, data, layers
 
@@ -20,6 +22,7 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 if mode == "save":
     if RANK == 0:
+        print(f"SAVING AT {time.time()}", flush=True)
         model.save(f"{tmp}/model.keras")  # raises at once: the other ranks finished their script
     print(f"rank {RANK} reached the end", flush=True)
 else:
