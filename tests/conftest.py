@@ -1,20 +1,25 @@
-"""The suite runs on two pytest-xdist workers (``-n 2`` in ``setup.cfg``), longest tests first.
+"""The suite runs on three pytest-xdist workers (``-n 3`` in ``setup.cfg``), longest tests first.
 
-A launch of ranks leaves a core idle much of its time (ranks wait on each
-other; TensorFlow's first calls trace and compile one rank after another),
-so two tests at once fill the machine's two cores. What a test measures in
-seconds must not share them: a test marked ``alone`` (a bound on a launch's
-duration, CPU time or measured speed) waits until the other worker's test has
-ended, and no test starts beside it.
+A launch of ranks leaves the cores idle, or spinning, much of its time
+(ranks wait on each other; TensorFlow's first calls trace and compile one
+rank after another), so several tests at once fill the machine: on 2 cores
+the whole suite took 33 min with two workers and 24 with three, which also
+spent a quarter less CPU time (docs/suite_time.md); four were no faster than
+three. What a test measures in seconds must not share the cores: a test
+marked ``alone`` (CPU time, measured speed, or a stall timeout that a loaded
+rank could pass) waits until the other workers' tests have ended, and no test
+starts beside it. A bound on how soon a job ends after a failure is measured
+from the failure (``Launch.seconds_after``), not from the launch, and runs
+beside others.
 
 Every process the tests start shares one XLA cache on disk (TensorFlow's
 ``--tf_xla_persistent_cache_directory``): a program another process already
 compiled from the same HLO is loaded instead of compiled again.
 
 The test files ``LONGEST_FIRST`` names run before the rest (in that order),
-so that no long test starts last on one worker while the other has nothing
-left; ``alone`` tests run at the end, when the test beside them is a short
-one (a worker is given one test at a time: ``--maxschedchunk 1``).
+so that no long test starts last on one worker while the others have nothing
+left; ``alone`` tests run at the end, when the tests beside them are short
+ones (a worker is given one test at a time: ``--maxschedchunk 1``).
 """
 
 from __future__ import annotations
