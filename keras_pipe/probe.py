@@ -70,7 +70,7 @@ def _measure_stage(stage, calls, links, sample, eager: bool) -> dict:
     for crossing in stage.receives:
         inputs.append(links.receive_described(crossing.source, links.tensors[crossing.tensor].dtype))
     forward = _forward(stage, calls)
-    values, masks = forward(inputs) if eager else tf.function(forward)(inputs)
+    values, masks = forward(inputs) if eager else tf.function(forward, autograph=False)(inputs)
     # Each tensor as the stage that computed it saw it once its stage was done (a layer may take the mask
     # off a tensor it reads, as MultiHeadAttention does: the tensor's readers on later stages, in the
     # unsplit model too, see what the tensor carried once every earlier node ran).

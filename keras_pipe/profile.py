@@ -40,7 +40,7 @@ def node_times(model_graph, nodes, rows: int, repeats: int = 5) -> list[float]:
         layer = call.layer
         variables = list(layer.trainable_weights) if layer is not None else []
 
-        @tf.function
+        @tf.function(autograph=False)
         def step(values, call=call, variables=variables):
             inputs = [v for v in values.values() if v.dtype.is_floating]
             with tf.GradientTape() as tape:

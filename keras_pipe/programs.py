@@ -13,6 +13,14 @@ returns twice, or one of its own arguments returned (a kept input passed
 on for a later pass), would be a copy of its own under XLA, measured at a
 whole extra buffer each. The returned structure is rebuilt around the
 unique outputs, with the very tensors the caller passed in.
+
+Programs are traced without AutoGraph, as Keras 3's own trainer traces its
+steps (``tf.autograph.experimental.do_not_convert``). AutoGraph never reached
+a layer's ``call`` anyway (it leaves the ``keras`` package alone, and every
+layer is called through ``Layer.__call__``): a Python ``if`` that reads a
+tensor fails under ``Sequential`` and here alike. Converting keras_pipe's own
+functions at each trace only cost time: a fifth of a small model's first
+fits (``tests/mpi_scripts/equivalence.py`` on one rank, 48 -> 38 s of CPU).
 """
 
 from __future__ import annotations
@@ -45,8 +53,8 @@ class Program:
         self.eager = eager
         self.name = name
         self.strict = strict  # XLA or nothing: the program draws random numbers its twin programs must redraw
-        self.xla = tf.function(self._unique, jit_compile=True) if jit and not eager else None
-        self.graph = tf.function(self._unique)
+        self.xla = tf.function(self._unique, jit_compile=True, autograph=False) if jit and not eager else None
+        self.graph = tf.function(self._unique, autograph=False)
         self.compiled_with_xla: bool | None = None  # known after the first call
         self._concrete: dict = {}
         self._layouts: dict = {}  # a trace's key -> (the result's structure, where each leaf comes from)

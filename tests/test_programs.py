@@ -1,9 +1,11 @@
 """A compiled program returns each tensor once and none it was given (in one process, no MPI)."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_pipe import PipelineModel
 from keras_pipe.programs import Program
 
 
@@ -51,3 +53,24 @@ def test_xla_would_copy_a_tensor_returned_twice():
     assert plain > 600, plain
     assert ours < 300, ours
     assert all(t is kept[-1][0] for t in kept[-1])
+
+
+class PythonIf(keras.layers.Layer):
+    """A layer whose Python ``if`` reads a tensor: AutoGraph would make it a ``tf.cond``, had it reached ``call``."""
+
+    def call(self, x):
+        if tf.reduce_sum(x) > 0:
+            return x
+        return -x
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def test_programs_are_traced_without_autograph_as_keras_traces_its_steps():
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 3), "float32")
+    for make in (keras.Sequential, PipelineModel):
+        model = make([keras.Input((3,)), PythonIf()])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+        with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+            model.fit(x, y, epochs=1, verbose=0)
