@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,7 @@ def run_mpi(
             command += [":"] if rank else []
             command += ["-n", "1"] + [part for k, v in variables.items() for part in ("-env", k, str(v))] + program
     start = time.monotonic()
+    cpu = _children_cpu()
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment, start_new_session=True
     )
@@ -103,4 +105,25 @@ def run_mpi(
         raise AssertionError(
             f"mpirun -n {nprocs} {script} {' '.join(args)} timed out after {timeout} s:\n{output}"
         ) from None
-    return Launch(process.returncode, output, time.monotonic() - start, time.time())
+    launch = Launch(process.returncode, output, time.monotonic() - start, time.time())
+    _log(nprocs, script, args, launch.seconds, _children_cpu() - cpu)
+    return launch
+
+
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _log(nprocs: int, script: str, args: tuple[str, ...], seconds: float, cpu: float) -> None:
+    """One line per launch to ``$KERAS_PIPE_LAUNCH_LOG``, if set: what a launch costs the suite.
+
+    ``cpu`` is the CPU time of the whole job (every rank, waited for by
+    ``mpirun``): on a machine the suite keeps busy, the suite's length is the
+    sum of these over the cores, so they say where to cut (docs/suite_time.md).
+    """
+    path = os.environ.get("KERAS_PIPE_LAUNCH_LOG")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        with open(path, "a") as log:
+            log.write(f"{cpu:8.1f} cpu {seconds:7.1f} s -n {nprocs} {script} {' '.join(args)[:60]} | {test}\n")
