@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import signal  # noqa: E402
+import time  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -12,6 +13,33 @@ from mpi4py import MPI  # noqa: E402
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
+_REFERENCES = MPI.COMM_WORLD.Dup()  # (every rank imports this module first: a collective call is safe here)
+
+
+def on_rank_0(compute, *args):
+    """``compute(*args)`` on rank 0 alone; every rank returns its result (pickled), or raises rank 0's error.
+
+    For the unsplit references the scripts compare the pipeline with, which
+    every rank would otherwise train again: in ``hub.py`` on four ranks that
+    was half of each rank's time. The other ranks wait with sleeps (MPICH's
+    blocking receive would spin a core each).
+    """
+    if RANK == 0:
+        try:
+            result = (True, compute(*args))
+        except BaseException as error:
+            for rank in range(1, SIZE):
+                _REFERENCES.send((False, f"{type(error).__name__}: {error}"), dest=rank)
+            raise
+        for rank in range(1, SIZE):
+            _REFERENCES.send(result, dest=rank)
+        return result[1]
+    while not _REFERENCES.iprobe(source=0):
+        time.sleep(0.005)
+    ok, result = _REFERENCES.recv(source=0)
+    if not ok:
+        raise RuntimeError(f"rank 0 failed to compute the reference: {result}")
+    return result
 
 
 def data(n=203, features=12, classes=3, seed=0):

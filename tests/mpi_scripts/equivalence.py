@@ -7,7 +7,7 @@ import sys
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, compile_args, data, layers, split_layers
+from common import RANK, SIZE, assert_close, compile_args, data, layers, on_rank_0, split_layers
 
 from keras_pipe import PipelineModel
 
@@ -33,20 +33,25 @@ CONFIGURATIONS += [(split_layers, 8, "interleaved-1f1b", False), (layers, 4, "zb
 SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8]}
 CONFIGURATIONS = [CONFIGURATIONS[i] for i in SUBSETS.get(SIZE, range(len(CONFIGURATIONS)))]
 
+
+def trained(reference):
+    """The unsplit model's history, weights, evaluate and predict (on rank 0: the other ranks get them)."""
+    history = reference.fit(x, y, sample_weight=sw, **fit_args).history
+    return (
+        history,
+        reference.get_weights(),
+        reference.evaluate(x_test, y_test, verbose=0),
+        reference.predict(x_test, verbose=0),
+    )
+
+
 references = {}
 for chain in (layers, split_layers):
     keras.utils.set_random_seed(7)
     reference = keras.Sequential(chain())
     initial = reference.get_weights()
     reference.compile(**compile_args())
-    history = reference.fit(x, y, sample_weight=sw, **fit_args).history
-    references[chain] = (
-        initial,
-        history,
-        reference.get_weights(),
-        reference.evaluate(x_test, y_test, verbose=0),
-        reference.predict(x_test, verbose=0),
-    )
+    references[chain] = (initial, *on_rank_0(trained, reference))
 
 checked = 0
 results = {}
@@ -98,10 +103,15 @@ if SIZE > 1:
     reference = keras.Sequential(layers())
     reference.set_weights(initial)
     reference.compile(**compile_args())
-    expected = reference.fit(x, y, sample_weight=sw, batch_size=32, epochs=3, shuffle=False, verbose=0).history
+    expected, expected_weights = on_rank_0(
+        lambda: (
+            reference.fit(x, y, sample_weight=sw, batch_size=32, epochs=3, shuffle=False, verbose=0).history,
+            reference.get_weights(),
+        )
+    )
     for key in expected:
         assert_close(history[key], expected[key], f"P={SIZE} shuffled other ranks, history {key}")
-    for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
+    for i, (a, b) in enumerate(zip(model.get_weights(), expected_weights)):
         assert_close(a, b, f"P={SIZE} shuffled other ranks, weight {i}")
     checked += 1
 
@@ -148,27 +158,32 @@ def recording(step, shapes: set):
     return lambda data: shapes.add((tuple(data[0].shape[1:]), tuple(data[1].shape[1:]))) or step(data)
 
 
+def fitted(model, labels, labels_test, kwargs):
+    """History, weights and predictions after two epochs with validation data."""
+    history = model.fit(
+        x,
+        labels,
+        batch_size=32,
+        epochs=2,
+        shuffle=False,
+        validation_data=(x_test, labels_test),
+        verbose=0,
+        **kwargs,
+    ).history
+    return history, model.get_weights(), model.predict(x_test, verbose=0)
+
+
 for what, labels, labels_test, loss, kwargs in CASES:
     seen = {"train": set(), "test": set()}
-    runs = []
-    for model in (PipelineModel(layers(), num_microbatches=2), keras.Sequential(layers())):
+    models = (PipelineModel(layers(), num_microbatches=2), keras.Sequential(layers()))
+    for model in models:
         model.set_weights(initial)
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"], jit_compile=False)
-        if isinstance(model, PipelineModel):
-            model.train_step = recording(model.train_step, seen["train"])
-            model.test_step = recording(model.test_step, seen["test"])
-        fitted = model.fit(
-            x,
-            labels,
-            batch_size=32,
-            epochs=2,
-            shuffle=False,
-            validation_data=(x_test, labels_test),
-            verbose=0,
-            **kwargs,
-        )
-        runs.append((fitted.history, model.get_weights(), model.predict(x_test, verbose=0)))
-    (history, weights, predicted), (expected, expected_weights, expected_pred) = runs
+    models[0].train_step = recording(models[0].train_step, seen["train"])
+    models[0].test_step = recording(models[0].test_step, seen["test"])
+
+    history, weights, predicted = fitted(models[0], labels, labels_test, kwargs)
+    expected, expected_weights, expected_pred = on_rank_0(fitted, models[1], labels, labels_test, kwargs)
     for key in expected:
         assert_close(history[key], expected[key], f"P={SIZE} {what}: history {key}")
     for i, (a, b) in enumerate(zip(weights, expected_weights)):

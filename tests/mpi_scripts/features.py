@@ -17,7 +17,7 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
-from common import RANK, SIZE, assert_close, data
+from common import RANK, SIZE, assert_close, data, on_rank_0
 
 from keras_pipe import PipelineModel
 from keras_pipe.batchnorm import DeferredBatchNormalization
@@ -37,30 +37,40 @@ def mlp():
 
 
 def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, evaluate=False, **pipeline_args):
+    """Trains ``Sequential`` (on rank 0) and the pipeline from the same weights; compares history and weights."""
     inputs, labels, weights = data or (x, y, sw)
     keras.utils.set_random_seed(3)
     reference = keras.Sequential(chain())
     initial = reference.get_weights()
-    reference.compile(**compile_args())
-    expected = reference.fit(inputs, labels, sample_weight=weights, **fit_args).history
+    reference.compile(**compile_args())  # (every rank builds it, so that auto-named objects stay alike)
+    evaluate_args = dict(sample_weight=weights, batch_size=48, verbose=0)
+
+    def unsplit():
+        history = reference.fit(inputs, labels, sample_weight=weights, **fit_args).history
+        return dict(
+            history=history,
+            weights=reference.get_weights(),
+            steps=int(reference.optimizer.iterations),
+            evaluate=reference.evaluate(inputs, labels, **evaluate_args) if evaluate else None,
+        )
+
+    expected = on_rank_0(unsplit)
     keras.utils.set_random_seed(3)  # dropout layers get the reference's seeds
     model = PipelineModel(chain(), **pipeline_args)
     model.set_weights(initial)
     model.compile(**compile_args())
     history = model.fit(inputs, labels, sample_weight=weights, **fit_args).history
     rtol, atol = tolerance
-    for key in expected:
-        assert_close(history[key], expected[key], f"{case} history {key}", rtol, atol)
-    for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
+    for key in expected["history"]:
+        assert_close(history[key], expected["history"][key], f"{case} history {key}", rtol, atol)
+    for i, (a, b) in enumerate(zip(model.get_weights(), expected["weights"])):
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), f"{case} weight {i}", rtol, atol)
-    steps = (int(model.optimizer.iterations), int(reference.optimizer.iterations))
+    steps = (int(model.optimizer.iterations), expected["steps"])
     assert steps[0] == steps[1] > 0, f"{case}: optimizer steps {steps}"
-    if not evaluate:
-        return reference, initial
-    evaluated = [model.evaluate(inputs, labels, sample_weight=weights, batch_size=48, verbose=0)]
-    evaluated.append(reference.evaluate(inputs, labels, sample_weight=weights, batch_size=48, verbose=0))
-    assert_close(*evaluated, f"{case} evaluate", rtol, atol)
-    return reference, initial
+    if evaluate:
+        evaluated = model.evaluate(inputs, labels, **evaluate_args)
+        assert_close(evaluated, expected["evaluate"], f"{case} evaluate", rtol, atol)
+    return initial
 
 
 def clipnorm(case):
@@ -68,7 +78,7 @@ def clipnorm(case):
         return dict(optimizer=keras.optimizers.SGD(0.5, global_clipnorm=0.05), loss="sparse_categorical_crossentropy")
 
     stages = {"clipnorm": None, "clipnorm-replicas": 2}[case]
-    reference, initial = compare(case, mlp, sgd, num_microbatches=2, num_stages=stages)
+    initial = compare(case, mlp, sgd, num_microbatches=2, num_stages=stages)
     # the norm clipped: the first batch's gradient is longer than the limit
     probe = keras.Sequential(mlp())
     probe.set_weights(initial)

@@ -16,7 +16,7 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
-from common import RANK, SIZE, assert_close
+from common import RANK, SIZE, assert_close, on_rank_0
 
 from keras_pipe import PipelineModel
 
@@ -24,29 +24,38 @@ rng = np.random.default_rng(3)
 
 
 def compare(case, make, compile_args, x, y, fit_args=None, tolerance=(1e-5, 1e-6), **pipeline_args):
-    """Trains the unsplit model and the pipeline from rank 0's weights; compares history, weights, evaluate, predict."""
+    """Trains the unsplit model (on rank 0) and the pipeline from its weights; compares everything."""
     fit_args = dict(dict(batch_size=16, epochs=2, shuffle=False, verbose=0), **(fit_args or {}))
+    data = (x, y) if y is not None or not isinstance(x, tf.data.Dataset) else (x,)
+    evaluate = dict(verbose=0) if isinstance(x, tf.data.Dataset) else dict(batch_size=24, verbose=0)
+
     keras.utils.set_random_seed(5)
     reference = make()
     handed_in = make()
     handed_in.set_weights(reference.get_weights())
-    reference.compile(**compile_args())
-    data = (x, y) if y is not None or not isinstance(x, tf.data.Dataset) else (x,)
-    expected = reference.fit(*data, **fit_args).history
+    reference.compile(**compile_args())  # (every rank builds both, so that auto-named objects stay alike)
+
+    def unsplit():
+        history = reference.fit(*data, **fit_args).history
+        return dict(
+            history=history,
+            weights=reference.get_weights(),
+            evaluate=reference.evaluate(*data, **evaluate),
+            predict=reference.predict(x, **evaluate),
+        )
+
+    expected = on_rank_0(unsplit)
     model = PipelineModel.from_model(handed_in, **pipeline_args)
     model.compile(**compile_args())
     history = model.fit(*data, **fit_args).history
     rtol, atol = tolerance
-    assert sorted(history) == sorted(expected), (sorted(history), sorted(expected))
-    for key in expected:
-        assert_close(history[key], expected[key], f"{case} history {key}", rtol, atol)
-    for i, (a, b) in enumerate(zip(model.get_weights(), reference.get_weights())):
+    assert sorted(history) == sorted(expected["history"]), (sorted(history), sorted(expected["history"]))
+    for key in expected["history"]:
+        assert_close(history[key], expected["history"][key], f"{case} history {key}", rtol, atol)
+    for i, (a, b) in enumerate(zip(model.get_weights(), expected["weights"])):
         assert_close(a, b, f"{case} weight {i}", rtol, atol)
-    evaluate = dict(verbose=0) if isinstance(x, tf.data.Dataset) else dict(batch_size=24, verbose=0)
-    assert_close(
-        model.evaluate(*data, **evaluate), reference.evaluate(*data, **evaluate), f"{case} evaluate", rtol, atol
-    )
-    predicted, wanted = model.predict(x, **evaluate), reference.predict(x, **evaluate)
+    assert_close(model.evaluate(*data, **evaluate), expected["evaluate"], f"{case} evaluate", rtol, atol)
+    predicted, wanted = model.predict(x, **evaluate), expected["predict"]
     assert type(predicted) is type(wanted), (type(predicted), type(wanted))
     keras.tree.map_structure(lambda a, b: assert_close(a, b, f"{case} predict", rtol, atol), predicted, wanted)
     return model

@@ -23,7 +23,7 @@ import sys
 import keras
 import keras_hub
 import numpy as np
-from common import RANK, SIZE, assert_close
+from common import RANK, SIZE, assert_close, on_rank_0
 
 from keras_pipe import PipelineModel
 
@@ -37,14 +37,25 @@ fit_args = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
 
 
 def compare(case, make, compile_args, x, y, sample_weight=None, tolerance=(2e-5, 2e-6), **pipeline_args):
-    """Trains the unsplit model and the pipeline from the same initial weights; compares everything."""
+    """Trains the unsplit model (on rank 0) and the pipeline from the same initial weights; compares everything."""
+    data = dict(sample_weight=sample_weight, batch_size=24, verbose=0)
     keras.utils.set_random_seed(11)
     reference = make()
     keras.utils.set_random_seed(11)
     handed_in = make()
     handed_in.set_weights(reference.get_weights())
-    reference.compile(**compile_args())
-    expected = reference.fit(x, y, sample_weight=sample_weight, **fit_args).history
+    reference.compile(**compile_args())  # (every rank builds both, so that auto-named objects stay alike)
+
+    def unsplit():
+        history = reference.fit(x, y, sample_weight=sample_weight, **fit_args).history
+        return dict(
+            history=history,
+            weights=reference.get_weights(),
+            evaluate=reference.evaluate(x, y, **data),
+            predict=reference.predict(x, batch_size=24, verbose=0),
+        )
+
+    expected = on_rank_0(unsplit)
     if isinstance(handed_in, keras.Sequential):
         model = PipelineModel.from_sequential(handed_in, **pipeline_args)
     else:
@@ -52,26 +63,19 @@ def compare(case, make, compile_args, x, y, sample_weight=None, tolerance=(2e-5,
     model.compile(**compile_args())
     history = model.fit(x, y, sample_weight=sample_weight, **fit_args).history
     rtol, atol = tolerance
-    for key in expected:
-        assert_close(history[key], expected[key], f"{case} history {key}", rtol, atol)
-    for i, (a, b, variable) in enumerate(zip(model.get_weights(), reference.get_weights(), reference.weights)):
+    for key in expected["history"]:
+        assert_close(history[key], expected["history"][key], f"{case} history {key}", rtol, atol)
+    for i, (a, b, variable) in enumerate(zip(model.get_weights(), expected["weights"], reference.weights)):
         if variable.path.endswith("key/bias"):
             # An attention key bias adds the same logit to every key of a query, which the softmax
             # ignores: its gradient is zero but for round-off, which Adam scales into whole steps.
             continue
         assert_close(a, b, f"{case} weight {i} ({variable.path})", 5 * rtol, 15 * atol)
-    assert_close(
-        model.evaluate(x, y, sample_weight=sample_weight, batch_size=24, verbose=0),
-        reference.evaluate(x, y, sample_weight=sample_weight, batch_size=24, verbose=0),
-        f"{case} evaluate",
-        rtol,
-        atol,
-    )
-    predicted = model.predict(x, batch_size=24, verbose=0)
+    assert_close(model.evaluate(x, y, **data), expected["evaluate"], f"{case} evaluate", rtol, atol)
     keras.tree.map_structure(
         lambda a, b: assert_close(a, b, f"{case} predict", rtol, atol),
-        predicted,
-        reference.predict(x, batch_size=24, verbose=0),
+        model.predict(x, batch_size=24, verbose=0),
+        expected["predict"],
     )
     return model
 
