@@ -19,7 +19,7 @@ import tempfile
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, compile_args, data, split_layers
+from common import RANK, SIZE, assert_close, compile_args, data, on_rank_0, split_layers
 
 import keras_pipe
 from keras_pipe import PipelineConfigError, PipelineModel
@@ -31,30 +31,46 @@ fit_args = dict(batch_size=30, epochs=2, shuffle=False, validation_split=0.1, ve
 SCHEDULES = [("interleaved-1f1b", 2, 2 * SIZE), ("zb-v", 2, 4), ("interleaved-1f1b", 3, SIZE)]
 
 
-def reference(chain, **compiled):
+def reference(chain, compiled, fit, evaluate=None, predict=None):
+    """``Sequential(chain())`` (every rank builds it) trained on rank 0: its initial weights, and what it gave."""
     keras.utils.set_random_seed(7)
     model = keras.Sequential(chain())
     initial = model.get_weights()
-    model.compile(**compile_args(), **compiled)
-    history = model.fit(x, y, sample_weight=sw, **fit_args).history
-    return model, initial, history
+    model.compile(**compiled)
+
+    def trained():
+        history = model.fit(**fit).history
+        return dict(
+            history=history,
+            weights=model.get_weights(),
+            steps=int(model.optimizer.iterations),
+            evaluate=model.evaluate(**evaluate, verbose=0) if evaluate else None,
+            predict=model.predict(**predict, verbose=0) if predict else None,
+        )
+
+    return initial, on_rank_0(trained)
 
 
-def equal(what, model, expected_model, history, expected):
-    assert sorted(history) == sorted(expected), (what, sorted(history), sorted(expected))
-    for key in expected:
-        assert_close(history[key], expected[key], f"{what} history {key}")
-    for i, (a, b) in enumerate(zip(model.get_weights(), expected_model.get_weights())):
+def equal(what, model, history, expected):
+    assert sorted(history) == sorted(expected["history"]), (what, sorted(history), sorted(expected["history"]))
+    for key in expected["history"]:
+        assert_close(history[key], expected["history"][key], f"{what} history {key}")
+    for i, (a, b) in enumerate(zip(model.get_weights(), expected["weights"])):
         assert_close(a, b, f"{what} weight {i}")
-    steps = (int(model.optimizer.iterations), int(expected_model.optimizer.iterations))
+    steps = (int(model.optimizer.iterations), expected["steps"])
     assert steps[0] == steps[1], (what, "optimizer steps", steps)
+
+
+TRAIN = dict(x=x, y=y, sample_weight=sw, **fit_args)
 
 
 def equivalence():
     # (the recorded backward's chain, layers(), trains under ZB-V in equivalence.py on 4 ranks; chunks
     # whose backward is recorded train here in features(): a Keras mask crosses them)
     for chain in (split_layers,):
-        expected_model, initial, expected = reference(chain)
+        initial, expected = reference(
+            chain, compile_args(), TRAIN, evaluate=dict(x=x_test, y=y_test), predict=dict(x=x_test)
+        )
         for schedule, chunks, m in SCHEDULES:
             model = PipelineModel(chain(), num_microbatches=m, schedule=schedule, num_chunks=chunks)
             model.set_weights(initial)
@@ -62,10 +78,9 @@ def equivalence():
             history = model.fit(x, y, sample_weight=sw, **fit_args).history
             what = f"P={SIZE} {chain.__name__} {schedule} v={chunks} m={m}"
             assert len(model.engine.chunks) == chunks, (what, model.engine.chunks)
-            equal(what, model, expected_model, history, expected)
-            evaluated = model.evaluate(x_test, y_test, verbose=0)
-            assert_close(evaluated, expected_model.evaluate(x_test, y_test, verbose=0), f"{what} evaluate")
-            assert_close(model.predict(x_test, verbose=0), expected_model.predict(x_test, verbose=0), f"{what} predict")
+            equal(what, model, history, expected)
+            assert_close(model.evaluate(x_test, y_test, verbose=0), expected["evaluate"], f"{what} evaluate")
+            assert_close(model.predict(x_test, verbose=0), expected["predict"], f"{what} predict")
 
 
 def features():
@@ -73,16 +88,12 @@ def features():
     def clipped():
         return {**compile_args(), "optimizer": keras.optimizers.SGD(0.5, global_clipnorm=0.05)}
 
-    keras.utils.set_random_seed(7)
-    expected_model = keras.Sequential(split_layers())
-    initial = expected_model.get_weights()
-    expected_model.compile(**clipped())
-    expected = expected_model.fit(x, y, sample_weight=sw, **fit_args).history
+    initial, expected = reference(split_layers, clipped(), TRAIN)
     model = PipelineModel(split_layers(), num_microbatches=4, schedule="zb-v")
     model.set_weights(initial)
     model.compile(**clipped())
     history = model.fit(x, y, sample_weight=sw, **fit_args).history
-    equal(f"P={SIZE} zb-v global_clipnorm", model, expected_model, history, expected)
+    equal(f"P={SIZE} zb-v global_clipnorm", model, history, expected)
 
     # a Keras mask crossing chunks (their backward recorded) and a masked output under a mean loss
     rng = np.random.default_rng(5)
@@ -109,26 +120,24 @@ def features():
             jit_compile=False,
         )
 
+    tagged = dict(x=tokens, y=tags, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    initial, expected = reference(tagger, tagging(), tagged, evaluate=dict(x=tokens, y=tags, batch_size=48))
     for schedule, m in (("zb-v", 3), ("interleaved-1f1b", 2 * SIZE)):
-        keras.utils.set_random_seed(7)
-        expected_model = keras.Sequential(tagger())
-        initial = expected_model.get_weights()
-        expected_model.compile(**tagging())
-        expected = expected_model.fit(tokens, tags, batch_size=32, epochs=2, shuffle=False, verbose=0).history
         model = PipelineModel(tagger(), num_microbatches=m, schedule=schedule)
         model.set_weights(initial)
         model.compile(**tagging())
         history = model.fit(tokens, tags, batch_size=32, epochs=2, shuffle=False, verbose=0).history
-        equal(f"P={SIZE} {schedule} masked tagger", model, expected_model, history, expected)
+        equal(f"P={SIZE} {schedule} masked tagger", model, history, expected)
         evaluated = model.evaluate(tokens, tags, batch_size=48, verbose=0)
-        assert_close(evaluated, expected_model.evaluate(tokens, tags, batch_size=48, verbose=0), "tagger evaluate")
+        assert_close(evaluated, expected["evaluate"], "tagger evaluate")
 
 
 def saving():
     directory = tempfile.mkdtemp(prefix="keras_pipe_chunks_") if RANK == 0 else None
     directory = model_comm().bcast(directory, root=0)
     path = os.path.join(directory, "chunked.keras")
-    expected_model, initial, _ = reference(split_layers)
+    keras.utils.set_random_seed(7)
+    initial = keras.Sequential(split_layers()).get_weights()
     model = PipelineModel(split_layers(), num_microbatches=4, schedule="zb-v")
     model.set_weights(initial)
     model.compile(**compile_args())

@@ -18,7 +18,7 @@ import tempfile
 import keras
 import numpy as np
 import tensorflow as tf
-from common import RANK, SIZE, assert_close, compile_args, data, layers, split_layers
+from common import RANK, SIZE, assert_close, compile_args, data, layers, on_rank_0, split_layers
 from mpi4py import MPI
 
 import keras_pipe
@@ -35,19 +35,29 @@ reference = keras.Sequential(layers())
 initial = reference.get_weights()
 
 
-def sequential_run(x_fit, y_fit, sw_fit, **overrides):
+def sequential_run(x_fit, y_fit, sw_fit, after=lambda model: None, **overrides):
+    """Sequential from ``initial``, trained on rank 0 (every rank builds it): history, weights, ``after(model)``."""
     model = keras.Sequential(layers())
     model.set_weights(initial)
     model.compile(**compile_args())
-    history = model.fit(x_fit, y_fit, sample_weight=sw_fit, **{**fit_args, **overrides}).history
-    return model, history
+
+    def run():
+        history = model.fit(x_fit, y_fit, sample_weight=sw_fit, **{**fit_args, **overrides}).history
+        return history, model.get_weights(), after(model)
+
+    return on_rank_0(run)
 
 
-expected_model, expected = sequential_run(x, y, sw)
-expected_eval = expected_model.evaluate(x_test, y_test, verbose=0)
-expected_pred = expected_model.predict(x_test, verbose=0)
-tiny_model, tiny_expected = sequential_run(x[:33], y[:33], sw[:33], validation_split=0.0)
-tiny_pred = tiny_model.predict(x_test[:3], batch_size=2, verbose=0)
+expected, expected_weights, (expected_eval, expected_pred) = sequential_run(
+    x, y, sw, after=lambda model: (model.evaluate(x_test, y_test, verbose=0), model.predict(x_test, verbose=0))
+)
+tiny_expected, _, tiny_pred = sequential_run(
+    x[:33],
+    y[:33],
+    sw[:33],
+    after=lambda model: model.predict(x_test[:3], batch_size=2, verbose=0),
+    validation_split=0.0,
+)
 
 
 def check_same_across_replicas(model, what):
@@ -72,7 +82,7 @@ for num_stages in [s for s in range(1, SIZE + 1) if SIZE % s == 0 and SIZE // s 
         assert sorted(history) == sorted(expected), (what, sorted(history), sorted(expected))
         for key in expected:
             assert_close(history[key], expected[key], f"{what} history {key}")
-        for i, (a, b) in enumerate(zip(model.get_weights(), expected_model.get_weights())):
+        for i, (a, b) in enumerate(zip(model.get_weights(), expected_weights)):
             assert_close(a, b, f"{what} weight {i}")
         check_same_across_replicas(model, what)
         assert_close(model.evaluate(x_test, y_test, verbose=0), expected_eval, f"{what} evaluate")
@@ -94,7 +104,9 @@ keras.utils.set_random_seed(8)
 split_reference = keras.Sequential(split_layers())
 split_initial = split_reference.get_weights()
 split_reference.compile(**compile_args())
-split_expected = split_reference.fit(x, y, sample_weight=sw, **fit_args).history
+split_expected, split_weights = on_rank_0(
+    lambda: (split_reference.fit(x, y, sample_weight=sw, **fit_args).history, split_reference.get_weights())
+)
 stages = max(s for s in range(1, SIZE + 1) if SIZE % s == 0 and SIZE // s > 1)
 model = PipelineModel(split_layers(), num_stages=stages, num_microbatches=3)
 model.set_weights(split_initial)
@@ -103,7 +115,7 @@ history = model.fit(x, y, sample_weight=sw, **fit_args).history
 assert model.engine.compute.split
 for key in split_expected:
     assert_close(history[key], split_expected[key], f"split backward, {stages} stages, history {key}")
-for i, (a, b) in enumerate(zip(model.get_weights(), split_reference.get_weights())):
+for i, (a, b) in enumerate(zip(model.get_weights(), split_weights)):
     assert_close(a, b, f"split backward weight {i}")
 check_same_across_replicas(model, "split backward")
 checked += 1
@@ -124,7 +136,7 @@ loaded = keras_pipe.load_model(path, num_stages=1, num_microbatches=2)
 assert loaded.num_replicas == SIZE
 assert_close(loaded.predict(x_test, verbose=0), expected_pred, "loaded on another layout: predict")
 history = loaded.fit(x, y, sample_weight=sw, **{**fit_args, "epochs": 1}).history
-reference3, expected3 = sequential_run(x, y, sw, epochs=3)
+expected3 = sequential_run(x, y, sw, epochs=3)[0]
 for key in expected3:
     assert_close(history[key][-1], expected3[key][-1], f"save, load on {SIZE} replicas, 3rd epoch: {key}")
 check_same_across_replicas(loaded, "after loading")
