@@ -13,7 +13,8 @@ from mpi4py import MPI  # noqa: E402
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
-_REFERENCES = MPI.COMM_WORLD.Dup()  # (every rank imports this module first: a collective call is safe here)
+_REFERENCES = []  # a communicator of its own, made at the first on_rank_0 (collective: not at import, where a
+# rank that failed in its first lines would leave the others waiting in it instead of keras_pipe's start timeout)
 
 
 def on_rank_0(compute, *args):
@@ -24,19 +25,22 @@ def on_rank_0(compute, *args):
     was half of each rank's time. The other ranks wait with sleeps (MPICH's
     blocking receive would spin a core each).
     """
+    if not _REFERENCES:
+        _REFERENCES.append(MPI.COMM_WORLD.Dup())
+    comm = _REFERENCES[0]
     if RANK == 0:
         try:
             result = (True, compute(*args))
         except BaseException as error:
             for rank in range(1, SIZE):
-                _REFERENCES.send((False, f"{type(error).__name__}: {error}"), dest=rank)
+                comm.send((False, f"{type(error).__name__}: {error}"), dest=rank)
             raise
         for rank in range(1, SIZE):
-            _REFERENCES.send(result, dest=rank)
+            comm.send(result, dest=rank)
         return result[1]
-    while not _REFERENCES.iprobe(source=0):
+    while not comm.iprobe(source=0):
         time.sleep(0.005)
-    ok, result = _REFERENCES.recv(source=0)
+    ok, result = comm.recv(source=0)
     if not ok:
         raise RuntimeError(f"rank 0 failed to compute the reference: {result}")
     return result
