@@ -3,9 +3,8 @@
 A launch of ranks leaves the cores idle, or spinning, much of its time
 (ranks wait on each other; TensorFlow's first calls trace and compile one
 rank after another), so several tests at once fill the machine: on 2 cores
-the whole suite took 33 min with two workers and 24 with three, which also
-spent a quarter less CPU time (docs/suite_time.md); four were no faster than
-three. What a test measures in seconds must not share the cores: a test
+three workers were faster than two or four, and spent less CPU time
+(docs/suite_time.md has the figures). What a test measures in seconds must not share the cores: a test
 marked ``alone`` (CPU time, measured speed, or a stall timeout that a loaded
 rank could pass) waits until the other workers' tests have ended, and no test
 starts beside it. A bound on how soon a job ends after a failure is measured
