@@ -93,7 +93,7 @@ def run_mpi(
             command += [":"] if rank else []
             command += ["-n", "1"] + [part for k, v in variables.items() for part in ("-env", k, str(v))] + program
     start = time.monotonic()
-    cpu = _children_cpu()
+    cpu = children_cpu()
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment, start_new_session=True
     )
@@ -106,16 +106,17 @@ def run_mpi(
             f"mpirun -n {nprocs} {script} {' '.join(args)} timed out after {timeout} s:\n{output}"
         ) from None
     launch = Launch(process.returncode, output, time.monotonic() - start, time.time())
-    _log(nprocs, script, args, launch.seconds, _children_cpu() - cpu)
+    log_launch(nprocs, script, args, launch.seconds, children_cpu() - cpu)
     return launch
 
 
-def _children_cpu() -> float:
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have ended (and theirs, waited for)."""
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     return used.ru_utime + used.ru_stime
 
 
-def _log(nprocs: int, script: str, args: tuple[str, ...], seconds: float, cpu: float) -> None:
+def log_launch(nprocs: int, script: str, args: tuple[str, ...], seconds: float, cpu: float) -> None:
     """One line per launch to ``$KERAS_PIPE_LAUNCH_LOG``, if set: what a launch costs the suite.
 
     ``cpu`` is the CPU time of the whole job (every rank, waited for by

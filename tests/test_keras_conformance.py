@@ -13,12 +13,13 @@ parameters; one rank runs them all): 58 of the 148 tests, a quarter of the time.
 import os
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import keras
 import pytest
-from mpi import ROOT, mpirun_path
+from mpi import ROOT, children_cpu, log_launch, mpirun_path
 
 TESTS = Path(__file__).parent
 KERAS_TESTS = [
@@ -36,9 +37,11 @@ def run_keras_tests(nprocs: int, directory: Path, timeout: float) -> list[dict]:
         command = [mpirun_path(), "-n", str(nprocs), *command]
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1", KERAS_BACKEND="tensorflow")
     environment["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), environment.get("PYTHONPATH", "")])
+    cpu, start = children_cpu(), time.monotonic()
     process = subprocess.run(
         command, cwd=TESTS, env=environment, capture_output=True, text=True, timeout=timeout, start_new_session=True
     )
+    log_launch(nprocs, "pytest -p keras_conformance", (), time.monotonic() - start, children_cpu() - cpu)
     results = []
     for rank in range(nprocs):
         path = directory / f"rank-{rank}.xml"
