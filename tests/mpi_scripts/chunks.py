@@ -19,7 +19,7 @@ import tempfile
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, compile_args, data, on_rank_0, split_layers
+from common import RANK, SIZE, assert_close, compile_args, data, split_layers, trained_on_rank_0
 
 import keras_pipe
 from keras_pipe import PipelineConfigError, PipelineModel
@@ -37,18 +37,7 @@ def reference(chain, compiled, fit, evaluate=None, predict=None):
     model = keras.Sequential(chain())
     initial = model.get_weights()
     model.compile(**compiled)
-
-    def trained():
-        history = model.fit(**fit).history
-        return dict(
-            history=history,
-            weights=model.get_weights(),
-            steps=int(model.optimizer.iterations),
-            evaluate=model.evaluate(**evaluate, verbose=0) if evaluate else None,
-            predict=model.predict(**predict, verbose=0) if predict else None,
-        )
-
-    return initial, on_rank_0(trained)
+    return initial, trained_on_rank_0(model, fit, evaluate, predict)
 
 
 def equal(what, model, history, expected):

@@ -46,6 +46,29 @@ def on_rank_0(compute, *args):
     return result
 
 
+def trained_on_rank_0(model, fit: dict, evaluate: dict | None = None, predict: dict | None = None) -> dict:
+    """``model.fit(**fit)`` on rank 0 alone (see :func:`on_rank_0`): what every rank compares its pipeline with.
+
+    ``model`` is the unsplit reference, built and compiled on every rank alike
+    (so that Keras' auto-named objects are named alike on every rank). Returns
+    its ``history``, ``weights`` and ``steps`` (the optimizer's iterations)
+    after the fit, then ``evaluate`` and ``predict`` called with those
+    arguments (``None`` where not given), on every rank.
+    """
+
+    def run():
+        history = model.fit(**fit).history
+        return dict(
+            history=history,
+            weights=model.get_weights(),
+            steps=int(model.optimizer.iterations),
+            evaluate=None if evaluate is None else model.evaluate(**{"verbose": 0, **evaluate}),
+            predict=None if predict is None else model.predict(**{"verbose": 0, **predict}),
+        )
+
+    return on_rank_0(run)
+
+
 def data(n=203, features=12, classes=3, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, features)).astype("float32")

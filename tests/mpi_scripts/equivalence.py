@@ -7,7 +7,7 @@ import sys
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, compile_args, data, layers, on_rank_0, split_layers
+from common import RANK, SIZE, assert_close, compile_args, data, layers, on_rank_0, split_layers, trained_on_rank_0
 
 from keras_pipe import PipelineModel
 
@@ -34,24 +34,19 @@ SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8]}
 CONFIGURATIONS = [CONFIGURATIONS[i] for i in SUBSETS.get(SIZE, range(len(CONFIGURATIONS)))]
 
 
-def trained(reference):
-    """The unsplit model's history, weights, evaluate and predict (on rank 0: the other ranks get them)."""
-    history = reference.fit(x, y, sample_weight=sw, **fit_args).history
-    return (
-        history,
-        reference.get_weights(),
-        reference.evaluate(x_test, y_test, verbose=0),
-        reference.predict(x_test, verbose=0),
-    )
-
-
 references = {}
 for chain in (layers, split_layers):
     keras.utils.set_random_seed(7)
     reference = keras.Sequential(chain())
     initial = reference.get_weights()
     reference.compile(**compile_args())
-    references[chain] = (initial, *on_rank_0(trained, reference))
+    trained = trained_on_rank_0(
+        reference,
+        dict(x=x, y=y, sample_weight=sw, **fit_args),
+        evaluate=dict(x=x_test, y=y_test),
+        predict=dict(x=x_test),
+    )
+    references[chain] = (initial, *(trained[key] for key in ("history", "weights", "evaluate", "predict")))
 
 checked = 0
 results = {}
@@ -103,15 +98,10 @@ if SIZE > 1:
     reference = keras.Sequential(layers())
     reference.set_weights(initial)
     reference.compile(**compile_args())
-    expected, expected_weights = on_rank_0(
-        lambda: (
-            reference.fit(x, y, sample_weight=sw, batch_size=32, epochs=3, shuffle=False, verbose=0).history,
-            reference.get_weights(),
-        )
-    )
-    for key in expected:
-        assert_close(history[key], expected[key], f"P={SIZE} shuffled other ranks, history {key}")
-    for i, (a, b) in enumerate(zip(model.get_weights(), expected_weights)):
+    expected = trained_on_rank_0(reference, dict(x=x, y=y, sample_weight=sw, batch_size=32, epochs=3, shuffle=False))
+    for key in expected["history"]:
+        assert_close(history[key], expected["history"][key], f"P={SIZE} shuffled other ranks, history {key}")
+    for i, (a, b) in enumerate(zip(model.get_weights(), expected["weights"])):
         assert_close(a, b, f"P={SIZE} shuffled other ranks, weight {i}")
     checked += 1
 

@@ -17,7 +17,7 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
-from common import RANK, SIZE, assert_close, data, on_rank_0
+from common import RANK, SIZE, assert_close, data, trained_on_rank_0
 
 from keras_pipe import PipelineModel
 from keras_pipe.batchnorm import DeferredBatchNormalization
@@ -45,16 +45,11 @@ def compare(case, chain, compile_args, tolerance=(1e-5, 1e-6), data=None, evalua
     reference.compile(**compile_args())  # (every rank builds it, so that auto-named objects stay alike)
     evaluate_args = dict(sample_weight=weights, batch_size=48, verbose=0)
 
-    def unsplit():
-        history = reference.fit(inputs, labels, sample_weight=weights, **fit_args).history
-        return dict(
-            history=history,
-            weights=reference.get_weights(),
-            steps=int(reference.optimizer.iterations),
-            evaluate=reference.evaluate(inputs, labels, **evaluate_args) if evaluate else None,
-        )
-
-    expected = on_rank_0(unsplit)
+    expected = trained_on_rank_0(
+        reference,
+        dict(x=inputs, y=labels, sample_weight=weights, **fit_args),
+        evaluate=dict(x=inputs, y=labels, **evaluate_args) if evaluate else None,
+    )
     keras.utils.set_random_seed(3)  # dropout layers get the reference's seeds
     model = PipelineModel(chain(), **pipeline_args)
     model.set_weights(initial)

@@ -16,7 +16,7 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
-from common import RANK, SIZE, assert_close, on_rank_0
+from common import RANK, SIZE, assert_close, trained_on_rank_0
 
 from keras_pipe import PipelineModel
 
@@ -35,16 +35,9 @@ def compare(case, make, compile_args, x, y, fit_args=None, tolerance=(1e-5, 1e-6
     handed_in.set_weights(reference.get_weights())
     reference.compile(**compile_args())  # (every rank builds both, so that auto-named objects stay alike)
 
-    def unsplit():
-        history = reference.fit(*data, **fit_args).history
-        return dict(
-            history=history,
-            weights=reference.get_weights(),
-            evaluate=reference.evaluate(*data, **evaluate),
-            predict=reference.predict(x, **evaluate),
-        )
-
-    expected = on_rank_0(unsplit)
+    expected = trained_on_rank_0(
+        reference, dict(x=x, y=y, **fit_args), evaluate=dict(x=x, y=y, **evaluate), predict=dict(x=x, **evaluate)
+    )
     model = PipelineModel.from_model(handed_in, **pipeline_args)
     model.compile(**compile_args())
     history = model.fit(*data, **fit_args).history

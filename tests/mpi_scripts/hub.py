@@ -23,7 +23,7 @@ import sys
 import keras
 import keras_hub
 import numpy as np
-from common import RANK, SIZE, assert_close, on_rank_0
+from common import RANK, SIZE, assert_close, trained_on_rank_0
 
 from keras_pipe import PipelineModel
 
@@ -46,16 +46,12 @@ def compare(case, make, compile_args, x, y, sample_weight=None, tolerance=(2e-5,
     handed_in.set_weights(reference.get_weights())
     reference.compile(**compile_args())  # (every rank builds both, so that auto-named objects stay alike)
 
-    def unsplit():
-        history = reference.fit(x, y, sample_weight=sample_weight, **fit_args).history
-        return dict(
-            history=history,
-            weights=reference.get_weights(),
-            evaluate=reference.evaluate(x, y, **data),
-            predict=reference.predict(x, batch_size=24, verbose=0),
-        )
-
-    expected = on_rank_0(unsplit)
+    expected = trained_on_rank_0(
+        reference,
+        dict(x=x, y=y, sample_weight=sample_weight, **fit_args),
+        evaluate=dict(x=x, y=y, **data),
+        predict=dict(x=x, batch_size=24),
+    )
     if isinstance(handed_in, keras.Sequential):
         model = PipelineModel.from_sequential(handed_in, **pipeline_args)
     else:

@@ -8,7 +8,7 @@ import sys
 
 import keras
 import numpy as np
-from common import RANK, SIZE, on_rank_0
+from common import RANK, SIZE, trained_on_rank_0
 
 from keras_pipe import PipelineConfigError, PipelineModel
 
@@ -29,12 +29,8 @@ def check(config: dict) -> None:
     reference = keras.Sequential(chain())
     initial = reference.get_weights()
     reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
-    expected, expected_weights = on_rank_0(
-        lambda: (
-            reference.fit(x, y, batch_size=config["batch"], epochs=2, shuffle=False, verbose=0).history,
-            reference.get_weights(),
-        )
-    )
+    trained = trained_on_rank_0(reference, dict(x=x, y=y, batch_size=config["batch"], epochs=2, shuffle=False))
+    expected, expected_weights = trained["history"], trained["weights"]
 
     try:
         model = PipelineModel(chain(), num_microbatches=config["m"], schedule=config["schedule"])

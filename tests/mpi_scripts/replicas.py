@@ -18,7 +18,7 @@ import tempfile
 import keras
 import numpy as np
 import tensorflow as tf
-from common import RANK, SIZE, assert_close, compile_args, data, layers, on_rank_0, split_layers
+from common import RANK, SIZE, assert_close, compile_args, data, layers, split_layers, trained_on_rank_0
 from mpi4py import MPI
 
 import keras_pipe
@@ -35,29 +35,21 @@ reference = keras.Sequential(layers())
 initial = reference.get_weights()
 
 
-def sequential_run(x_fit, y_fit, sw_fit, after=lambda model: None, **overrides):
-    """Sequential from ``initial``, trained on rank 0 (every rank builds it): history, weights, ``after(model)``."""
+def sequential_run(x_fit, y_fit, sw_fit, evaluate=None, predict=None, **overrides):
+    """Sequential from ``initial``, trained on rank 0 (every rank builds it): see ``common.trained_on_rank_0``."""
     model = keras.Sequential(layers())
     model.set_weights(initial)
     model.compile(**compile_args())
-
-    def run():
-        history = model.fit(x_fit, y_fit, sample_weight=sw_fit, **{**fit_args, **overrides}).history
-        return history, model.get_weights(), after(model)
-
-    return on_rank_0(run)
+    fit = dict(x=x_fit, y=y_fit, sample_weight=sw_fit, **{**fit_args, **overrides})
+    return trained_on_rank_0(model, fit, evaluate, predict)
 
 
-expected, expected_weights, (expected_eval, expected_pred) = sequential_run(
-    x, y, sw, after=lambda model: (model.evaluate(x_test, y_test, verbose=0), model.predict(x_test, verbose=0))
+trained = sequential_run(x, y, sw, evaluate=dict(x=x_test, y=y_test), predict=dict(x=x_test))
+expected, expected_weights, expected_eval, expected_pred = (
+    trained[key] for key in ("history", "weights", "evaluate", "predict")
 )
-tiny_expected, _, tiny_pred = sequential_run(
-    x[:33],
-    y[:33],
-    sw[:33],
-    after=lambda model: model.predict(x_test[:3], batch_size=2, verbose=0),
-    validation_split=0.0,
-)
+tiny_trained = sequential_run(x[:33], y[:33], sw[:33], predict=dict(x=x_test[:3], batch_size=2), validation_split=0.0)
+tiny_expected, tiny_pred = tiny_trained["history"], tiny_trained["predict"]
 
 
 def check_same_across_replicas(model, what):
@@ -104,9 +96,8 @@ keras.utils.set_random_seed(8)
 split_reference = keras.Sequential(split_layers())
 split_initial = split_reference.get_weights()
 split_reference.compile(**compile_args())
-split_expected, split_weights = on_rank_0(
-    lambda: (split_reference.fit(x, y, sample_weight=sw, **fit_args).history, split_reference.get_weights())
-)
+split_trained = trained_on_rank_0(split_reference, dict(x=x, y=y, sample_weight=sw, **fit_args))
+split_expected, split_weights = split_trained["history"], split_trained["weights"]
 stages = max(s for s in range(1, SIZE + 1) if SIZE % s == 0 and SIZE // s > 1)
 model = PipelineModel(split_layers(), num_stages=stages, num_microbatches=3)
 model.set_weights(split_initial)
@@ -136,7 +127,7 @@ loaded = keras_pipe.load_model(path, num_stages=1, num_microbatches=2)
 assert loaded.num_replicas == SIZE
 assert_close(loaded.predict(x_test, verbose=0), expected_pred, "loaded on another layout: predict")
 history = loaded.fit(x, y, sample_weight=sw, **{**fit_args, "epochs": 1}).history
-expected3 = sequential_run(x, y, sw, epochs=3)[0]
+expected3 = sequential_run(x, y, sw, epochs=3)["history"]
 for key in expected3:
     assert_close(history[key][-1], expected3[key][-1], f"save, load on {SIZE} replicas, 3rd epoch: {key}")
 check_same_across_replicas(loaded, "after loading")
