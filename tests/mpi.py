@@ -14,6 +14,7 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 ROOT = SCRIPTS.parent.parent
+SITE = Path(__file__).parent / "site"  # sitecustomize.py: the scripts' ranks start without sklearn and matplotlib
 
 
 def mpirun_path() -> str:
@@ -81,7 +82,10 @@ def run_mpi(
     environment = dict(os.environ)
     environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     environment["PYTHONUNBUFFERED"] = "1"
-    environment["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent.parent), environment.get("PYTHONPATH", "")])
+    paths = [str(ROOT), environment.get("PYTHONPATH", "")]
+    if not Path(script).is_absolute():  # (tests/mpi_scripts; the examples launched by path keep every import)
+        paths.insert(0, str(SITE))
+    environment["PYTHONPATH"] = os.pathsep.join(paths)
     environment.update(env or {})
     program = [*wrapper, sys.executable, *python_args, str(SCRIPTS / script), *args]  # absolute paths pass through
     if rank_env is None:
