@@ -22,7 +22,10 @@ these the resident memory just after the pipeline is made is printed too.
 The TensorFlow runtime's fixed cost (a process that imports
 everything and trains a tiny model, once with Sequential and once with
 PipelineModel) is measured too, and subtracted for the comparison with 1/P of
-Sequential's.
+Sequential's. The last columns also take from each rank the data set its
+script creates (every rank runs the same script, as with any MPI program),
+and from the first stage, which reads it, Keras' input pipeline too (measured
+as a model of no layers, as for Sequential).
 
 ``--deepest LIMIT`` answers what a pipeline user asks: how deep a chain of
 ``Dense(4096)`` layers (batch 16, Adam) trains when no process may use more
@@ -84,7 +87,9 @@ def worker(kind: str, width: int, depth: int, batch: int, recompute: str, make: 
         model = keras_pipe.PipelineModel.from_model(whole, num_microbatches=4, recompute=recompute)
         made = current_rss_gib()
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x = np.random.default_rng(0).normal(size=(batch * STEPS, width)).astype("float32")
+    # (drawn as float32: a float64 draw converted after would hold three times the data set for a moment,
+    # the peak of every rank that trains little)
+    x = np.random.default_rng(0).standard_normal(size=(batch * STEPS, width), dtype="float32")
     y = np.random.default_rng(1).integers(0, 10, size=batch * STEPS)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     peaks = comm.allgather_json(peak_rss_gib())
@@ -179,6 +184,7 @@ def main() -> None:
     # the same, with the workload's data set (no layer between the input and the output)
     data_sequential = launch(1, "sequential", width, 0, batch)[0][0]
     data_runtime = launch(1, "pipeline", width, 0, batch)[0][0]
+    data_set = (batch * STEPS * (width * 4 + 8)) / 2**30  # x (float32) and y (int64): every rank's script holds them
     sequential = launch(1, "sequential", width, depth, batch)[0][0]
     print(
         f"fixed cost per process (a tiny model trained): Sequential {runtime_sequential:.2f} GiB, "
@@ -187,8 +193,9 @@ def main() -> None:
     )
     print(
         "ratio: the largest peak minus the runtime, against 1/P of Sequential's; model's ratio: each rank's peak "
-        "minus what it holds whatever the model (the runtime; and the data set on the first stage, which reads it, "
-        "as Sequential does), against 1/P of Sequential's peak minus its runtime and data set"
+        "minus what it holds whatever the model (the runtime and the data set, which every rank's script creates, "
+        f"{data_set:.2f} GiB; on the first stage, which reads it as Sequential does, the runtime with the data set "
+        "and Keras' input pipeline), against 1/P of Sequential's peak minus its runtime, data set and input pipeline"
     )
     print(
         f"{'configuration':<40} {'peak RSS per rank (GiB)':<26} {'max - runtime':>13} "
@@ -204,7 +211,7 @@ def main() -> None:
                 peaks, made = launch(ranks, "pipeline", width, depth, batch, recompute, make)
                 mine = max(peaks) - runtime
                 ideal = (sequential - runtime_sequential) / ranks
-                model = [p - (data_runtime if rank == 0 else runtime) for rank, p in enumerate(peaks)]
+                model = [p - (data_runtime if rank == 0 else runtime + data_set) for rank, p in enumerate(peaks)]
                 share = (sequential - data_sequential) / ranks
                 shown = " ".join(f"{p:.2f}" for p in peaks)
                 name = f"PipelineModel, {ranks} rank(s), {recompute}" + ("" if make == "list" else f", {make}")

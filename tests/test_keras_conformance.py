@@ -19,7 +19,7 @@ from pathlib import Path
 
 import keras
 import pytest
-from mpi import ROOT, children_cpu, log_launch, mpirun_path
+from mpi import ROOT, SITE, children_cpu, log_launch, mpirun_path
 
 TESTS = Path(__file__).parent
 KERAS_TESTS = [
@@ -36,7 +36,8 @@ def run_keras_tests(nprocs: int, directory: Path, timeout: float) -> list[dict]:
     if nprocs > 1:
         command = [mpirun_path(), "-n", str(nprocs), *command]
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1", KERAS_BACKEND="tensorflow")
-    environment["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), environment.get("PYTHONPATH", "")])
+    # (SITE: Keras' tests start without sklearn and matplotlib, as the scripts' ranks do; neither file uses them)
+    environment["PYTHONPATH"] = os.pathsep.join([str(SITE), str(TESTS), str(ROOT), environment.get("PYTHONPATH", "")])
     cpu, start = children_cpu(), time.monotonic()
     process = subprocess.run(
         command, cwd=TESTS, env=environment, capture_output=True, text=True, timeout=timeout, start_new_session=True
