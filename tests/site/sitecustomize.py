@@ -4,8 +4,9 @@
 (for ``keras.visualization``) whenever they are installed, and the test extra
 installs both (the demo reads scikit-learn's digits; the timeline draws with
 matplotlib). No script in ``tests/mpi_scripts`` uses either, yet each rank
-paid 1.7 s of CPU importing them: a quarter of a rank's start, about 280 s of
-the suite's CPU over its ~170 ranks (docs/suite_time.md). Here they are not
+paid for importing them: about 1.1 s of CPU a rank in a four-rank launch
+(17 against 21.5 s for the launch's start), some 180 s of a suite's CPU over
+its ~170 ranks (docs/suite_time.md). Here they are not
 importable, as on a machine without them, which Keras supports (both are
 optional to it). The examples the tests launch (``examples/``) keep them.
 """
