@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import sys
 import time
@@ -202,7 +203,7 @@ class Communicator:
                 f"number of rows of shape {tuple(trailing_shape)} and dtype {dtype.name}: the ranks disagree "
                 "on the model or the data."
             )
-        array = np.empty((nbytes // row,) + tuple(trailing_shape), dtype)
+        array = aligned_empty((nbytes // row,) + tuple(trailing_shape), dtype)  # (wrapped without a copy)
         request = message.Irecv([array.reshape(-1).view(np.uint8), MPI.BYTE])
         sender = self.world_rank_of(source)
         self._wait_for(lambda: request.Test(), f"the rest of a message (tag {tag}) from rank {sender}")
@@ -613,10 +614,9 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
     refuses for numpy's default 16-byte alignment.
     """
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    offset = (-raw.ctypes.data) % alignment
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + alignment, np.uint8)
+    offset = (-raw.__array_interface__["data"][0]) % alignment
+    return np.ndarray(shape, dtype, buffer=raw, offset=offset)
 
 
 def _shape_text(array: np.ndarray) -> str:

