@@ -4,6 +4,7 @@
     python benchmarks/memory.py --workload activations   # activations dominate
     python benchmarks/memory.py --make from_model,unallocated --ranks 4 --recompute never
     python benchmarks/memory.py --deepest 3.0            # the deepest chain that trains in 3 GiB a process
+    python benchmarks/memory.py --workload activations --ranks 4 --microbatches 4,8   # 1F1B's bound at m > P
 
 ``weights``: a model whose weights plus Adam state take several GiB (12 Dense
 layers of 4096 x 4096: 201M parameters, 0.75 GiB of weights, 3 GiB with
@@ -26,6 +27,12 @@ Sequential's. The last columns also take from each rank the data set its
 script creates (every rank runs the same script, as with any MPI program),
 and from the first stage, which reads it, Keras' input pipeline too (measured
 as a model of no layers, as for Sequential).
+
+``--microbatches`` (default 4) sets the micro-batches of every pipeline row;
+several values, with commas, give a row each. 1F1B holds at most ``P - s``
+micro-batches on stage ``s``: with ``m = P`` the first stage holds every
+micro-batch of the batch (its whole share of the activations), with
+``m = 2P`` half of them.
 
 ``--deepest LIMIT`` answers what a pipeline user asks: how deep a chain of
 ``Dense(4096)`` layers (batch 16, Adam) trains when no process may use more
@@ -59,7 +66,9 @@ def current_rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def worker(kind: str, width: int, depth: int, batch: int, recompute: str, make: str = "list") -> None:
+def worker(
+    kind: str, width: int, depth: int, batch: int, recompute: str, make: str = "list", microbatches: int = 4
+) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
@@ -75,7 +84,7 @@ def worker(kind: str, width: int, depth: int, batch: int, recompute: str, make: 
     elif make == "list":
         from keras_pipe import PipelineModel
 
-        model = PipelineModel(layers, num_microbatches=4, recompute=recompute)
+        model = PipelineModel(layers, num_microbatches=microbatches, recompute=recompute)
     else:
         import keras_pipe
 
@@ -84,7 +93,7 @@ def worker(kind: str, width: int, depth: int, batch: int, recompute: str, make: 
                 whole = keras.Sequential(layers)
         else:
             whole = keras.Sequential(layers)
-        model = keras_pipe.PipelineModel.from_model(whole, num_microbatches=4, recompute=recompute)
+        model = keras_pipe.PipelineModel.from_model(whole, num_microbatches=microbatches, recompute=recompute)
         made = current_rss_gib()
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     # (drawn as float32: a float64 draw converted after would hold three times the data set for a moment,
@@ -101,13 +110,20 @@ def worker(kind: str, width: int, depth: int, batch: int, recompute: str, make: 
 
 
 def launch(
-    ranks: int, kind: str, width: int, depth: int, batch: int, recompute: str = "never", make: str = "list"
+    ranks: int,
+    kind: str,
+    width: int,
+    depth: int,
+    batch: int,
+    recompute: str = "never",
+    make: str = "list",
+    microbatches: int = 4,
 ) -> tuple[list[float], list[float] | None]:
     """Each rank's peak resident memory, and (``from_model``, ``unallocated``) its memory once the model is made."""
     mpirun = Path(sys.executable).parent / "mpirun"
     command = [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(ranks), sys.executable, __file__]
     command += ["--worker", kind, "--width", str(width), "--depth", str(depth), "--batch", str(batch)]
-    command += ["--recompute", recompute, "--make", make]
+    command += ["--recompute", recompute, "--make", make, "--microbatches", str(microbatches)]
     out = subprocess.run(
         command, capture_output=True, text=True, timeout=1800, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     )
@@ -166,18 +182,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--recompute", default="never,always", help="never, always or both (the default)")
     parser.add_argument("--make", default="list", help="list, from_model, unallocated, or several with commas")
+    parser.add_argument("--microbatches", default="4", help="micro-batches of each pipeline row, several with commas")
     parser.add_argument("--deepest", type=float, metavar="LIMIT", help="GiB per process: the deepest chain that fits")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.width, args.depth, args.batch, args.recompute, args.make)
+        return worker(
+            args.worker, args.width, args.depth, args.batch, args.recompute, args.make, int(args.microbatches)
+        )
     if args.deepest:
         return deepest_table(list(map(int, args.ranks.split(","))), args.deepest)
     width, depth, batch = WORKLOADS[args.workload]
     params = depth * (width * width + width) + width * 10 + 10
     print(
-        f"model: {depth} x Dense({width}) + Dense(10) at batch {batch}, 4 micro-batches: {params / 1e6:.0f}M "
-        f"parameters, {params * 4 / 2**30:.2f} GiB of weights, {4 * params * 4 / 2**30:.2f} GiB with gradients and "
-        f"Adam; one layer's activations for the batch {batch * width * 4 / 2**30:.2f} GiB"
+        f"model: {depth} x Dense({width}) + Dense(10) at batch {batch}, {args.microbatches} micro-batches: "
+        f"{params / 1e6:.0f}M parameters, {params * 4 / 2**30:.2f} GiB of weights, "
+        f"{4 * params * 4 / 2**30:.2f} GiB with gradients and Adam; one layer's activations for the batch "
+        f"{batch * width * 4 / 2**30:.2f} GiB"
     )
     runtime_sequential = launch(1, "sequential", 8, 1, 16)[0][0]
     runtime = launch(1, "pipeline", 8, 1, 16)[0][0]
@@ -205,25 +225,31 @@ def main() -> None:
         f"{'Sequential, 1 process':<40} {sequential:<26.2f} {sequential - runtime_sequential:13.2f}"
         f"{'':>26} {sequential - data_sequential:22.2f}"
     )
-    for make in args.make.split(","):
-        for ranks in map(int, args.ranks.split(",")):
-            for recompute in args.recompute.split(","):
-                peaks, made = launch(ranks, "pipeline", width, depth, batch, recompute, make)
-                mine = max(peaks) - runtime
-                ideal = (sequential - runtime_sequential) / ranks
-                model = [p - (data_runtime if rank == 0 else runtime + data_set) for rank, p in enumerate(peaks)]
-                share = (sequential - data_sequential) / ranks
-                shown = " ".join(f"{p:.2f}" for p in peaks)
-                name = f"PipelineModel, {ranks} rank(s), {recompute}" + ("" if make == "list" else f", {make}")
-                print(
-                    f"{name:<40} {shown:<26} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f} "
-                    f"{' '.join(f'{m:.2f}' for m in model):>22} {share:6.2f} {max(model) / share:6.2f}",
-                    flush=True,
-                )
-                if made is not None:
-                    after = " ".join(f"{m:.2f}" for m in made)
-                    share = max(made) - runtime
-                    print(f"{'  resident once made (GiB)':<40} {after:<26} {share:13.2f}", flush=True)
+    rows = [
+        (make, ranks, recompute, micro)
+        for make in args.make.split(",")
+        for ranks in map(int, args.ranks.split(","))
+        for micro in map(int, args.microbatches.split(","))
+        for recompute in args.recompute.split(",")
+    ]
+    for make, ranks, recompute, micro in rows:
+        peaks, made = launch(ranks, "pipeline", width, depth, batch, recompute, make, micro)
+        mine = max(peaks) - runtime
+        ideal = (sequential - runtime_sequential) / ranks
+        model = [p - (data_runtime if rank == 0 else runtime + data_set) for rank, p in enumerate(peaks)]
+        share = (sequential - data_sequential) / ranks
+        shown = " ".join(f"{p:.2f}" for p in peaks)
+        name = f"PipelineModel, {ranks} rank(s), {recompute}" + ("" if make == "list" else f", {make}")
+        name += "" if args.microbatches == "4" else f", m={micro}"
+        print(
+            f"{name:<40} {shown:<26} {mine:13.2f} {ideal:18.2f} {mine / ideal:6.2f} "
+            f"{' '.join(f'{m:.2f}' for m in model):>22} {share:6.2f} {max(model) / share:6.2f}",
+            flush=True,
+        )
+        if made is not None:
+            after = " ".join(f"{m:.2f}" for m in made)
+            share = max(made) - runtime
+            print(f"{'  resident once made (GiB)':<40} {after:<26} {share:13.2f}", flush=True)
 
 
 if __name__ == "__main__":
