@@ -48,28 +48,30 @@ def main() -> None:
             x = tf.nn.relu(tf.matmul(x, w))
         return x
 
-    def forward_backward(x):
+    def forward_backward(x, g):
+        # (the output's gradient is an argument, as the pipeline's backward receives it: a constant one,
+        # ones_like say, would be folded into the program by XLA, which is not what the pipeline runs)
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = forward(x)
-        return tape.gradient(y, [x] + weights, output_gradients=tf.ones_like(y))
+        return tape.gradient(y, [x] + weights, output_gradients=g)
 
     programs = {}
-    for pass_name, function in (("forward", forward), ("forward+backward", forward_backward)):
+    for pass_name, function, operands in (("forward", forward, 1), ("forward+backward", forward_backward, 2)):
         for compiler, jit in (("XLA", True), ("graph", False)):
             traced = tf.function(function, jit_compile=jit, autograph=False)
             for rows in args.rows:
-                x = tf.random.normal((rows, args.width))
-                concrete = traced.get_concrete_function(x)
-                concrete(x)  # compile and warm up
-                programs[(pass_name, compiler, rows)] = (concrete, x)
+                given = [tf.random.normal((rows, args.width)) for _ in range(operands)]
+                concrete = traced.get_concrete_function(*given)
+                concrete(*given)  # compile and warm up
+                programs[(pass_name, compiler, rows)] = (concrete, given)
 
     times = {key: [] for key in programs}
     for _ in range(args.rounds):
-        for key, (concrete, x) in programs.items():
+        for key, (concrete, given) in programs.items():
             began = time.perf_counter()
             for _ in range(args.calls):
-                result = concrete(x)
+                result = concrete(*given)
             tf.nest.flatten(result)[0].numpy()
             times[key].append((time.perf_counter() - began) / args.calls)
 
