@@ -92,7 +92,7 @@ class StageBackward:
             self._hold(i, parts)
             return total, terms, predictions, dx
 
-        def forward_backward(inputs, y, sample_weight, coefficients):
+        def forward_backward(inputs, y, sample_weight, coefficients, first):
             sources_in = self._gradient_sources(inputs)
             with tf.GradientTape() as tape:
                 tape.watch(sources_in)
@@ -101,13 +101,13 @@ class StageBackward:
                 total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
             grads = tape.gradient(total, sources_in + self.trainable_variables)
             dx = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[: len(sources_in)], sources_in)]
-            sparse = self.gradients.add_in_graph(grads[len(sources_in) :])
+            sparse = self.gradients.add_in_graph(grads[len(sources_in) :], first)
             return total, terms, self._predictions(values), dx, sparse
 
-        self.gradients.prepare()
+        first = self.gradients.prepare()
         total, terms, predictions, dx, sparse = self._program(
-            ("forward_backward", id(loss), self.gradients.empty), forward_backward, random=True
-        )(list(inputs), y, sample_weight, coefficients)
+            ("forward_backward", id(loss)), forward_backward, random=True
+        )(list(inputs), y, sample_weight, coefficients, first)
         self.gradients.added(sparse)
         return total, terms, predictions, dx
 
@@ -214,7 +214,7 @@ class StageBackward:
         """
         generators, others = self._generator_states, self._forward_updates
 
-        def rerun_backward(inputs, args, states, grads, activity_scale):
+        def rerun_backward(inputs, args, states, grads, activity_scale, first):
             now = [tf.identity(v) for v in generators]
             before = [tf.identity(v) for v in others]
             for variable, value in zip(generators, states):
@@ -229,12 +229,12 @@ class StageBackward:
             for variable, value in zip(generators + others, now + before):
                 variable.assign(value)
             dx = [tf.zeros_like(t) if g is None else g for g, t in zip(all_grads, sources_in)]
-            return dx, self.gradients.add_in_graph(all_grads[len(sources_in) :])
+            return dx, self.gradients.add_in_graph(all_grads[len(sources_in) :], first)
 
-        self.gradients.prepare()
-        dx, sparse = self._program(
-            ("rerun_backward", id(rerun.program), self.gradients.empty), rerun_backward, random=True
-        )(rerun.inputs, rerun.args, rerun.states, list(grads), tf.constant(activity_scale, tf.float32))
+        first = self.gradients.prepare()
+        dx, sparse = self._program(("rerun_backward", id(rerun.program)), rerun_backward, random=True)(
+            rerun.inputs, rerun.args, rerun.states, list(grads), tf.constant(activity_scale, tf.float32), first
+        )
         self.gradients.added(sparse)
         return dx if self.gradient_inputs else None
 
