@@ -20,6 +20,7 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
   two ranks split into two equal stages (the chain torch's pipelining was
   measured on in the issues).
 
+``--recompute always`` trains every PipelineModel row with that option.
 ``--compare-tree PATH`` runs every PipelineModel configuration a second
 time with the keras_pipe of another checkout (``PATH``, say the last
 release), alternated with this one's: "no step slower" as a ratio of one run.
@@ -96,7 +97,9 @@ def worker(args):
     else:
         from keras_pipe import PipelineModel
 
-        model = PipelineModel(layers, num_microbatches=args.microbatches, schedule=args.schedule)
+        model = PipelineModel(
+            layers, num_microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute
+        )
     metrics = ["accuracy"] if spec.get("metric") else None
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=metrics, jit_compile=args.jit)
 
@@ -164,6 +167,7 @@ def main():
     parser.add_argument("--workload", default="mlp-b64", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    parser.add_argument("--recompute", default="never", help="PipelineModel's recompute= (never, always, ...)")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per launch")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (the median is shown)")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -179,6 +183,8 @@ def main():
     if args.smoke:
         args.workloads, args.rounds, args.epochs = ["small"], 1, 1
     print(f"host: {os.cpu_count()} cores; median of {args.rounds} alternated rounds of {args.epochs} timed epochs")
+    if args.recompute != "never":
+        print(f"PipelineModel(recompute={args.recompute!r})")
     for workload in args.workloads:
         spec = WORKLOADS[workload]
         rows = configurations(workload)
@@ -198,7 +204,7 @@ def main():
         speeds: dict[str, list[float]] = {label: [] for label, _, _, _ in trees}
         for _ in range(args.rounds):
             for label, ranks, worker_args, env in trees:
-                common = ["--workload", workload, "--epochs", str(args.epochs)]
+                common = ["--workload", workload, "--epochs", str(args.epochs), "--recompute", args.recompute]
                 speeds[label].append(launch(ranks, *worker_args, *common, env=env or {"PYTHONPATH": mine}))
         median = {label: statistics.median(values) for label, values in speeds.items()}
         print_table(workload, spec, {k: v for k, v in median.items() if not k.endswith(" [other]")})
