@@ -3,6 +3,7 @@
     mpirun -n 2 python benchmarks/step_spans.py --num-stages 1              # 1 x 2 replicas
     mpirun -n 2 python benchmarks/step_spans.py --num-stages 1 --model deep-512x16 --collective-spin 0
     mpirun -n 2 python benchmarks/step_spans.py --num-stages 2 --microbatches 4
+    mpirun -n 2 python benchmarks/step_spans.py --num-stages 2 --microbatches 4 --workload balanced-b64 --jit False
 
 Trains the benchmark models of ``throughput.py`` (batch 64, 24 steps per
 epoch, 3 epochs), records every step's spans (forward, backward, all-reduce,
@@ -10,7 +11,10 @@ optimizer, ...) after the first epoch and prints, per rank, the milliseconds
 per step of each kind and the throughput. ``--collective-spin S`` sets how
 long the gradient all-reduce polls before it starts sleeping
 (``keras_pipe.comm.COLLECTIVE_SPIN_S``; 0 sleeps at once); ``--no-gc`` turns
-Python's garbage collector off.
+Python's garbage collector off. ``--workload balanced-b64`` trains
+``throughput.py``'s balanced chain (1024 -> 8 x Dense(1024), batch 64)
+instead of ``--model``; ``--jit False`` compiles with
+``jit_compile=False`` (plain graphs, no XLA).
 """
 
 import argparse
@@ -27,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import keras  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from throughput import BATCH, MODELS, STEPS_PER_EPOCH, build_layers, make_data  # noqa: E402
+from throughput import BATCH, MODELS, STEPS_PER_EPOCH, WORKLOADS, build_layers, make_data  # noqa: E402
 
 import keras_pipe.comm  # noqa: E402
 from keras_pipe import PipelineModel  # noqa: E402
@@ -40,17 +44,23 @@ def main():
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--collective-spin", type=float, default=None, help="seconds (default: the library's)")
     parser.add_argument("--no-gc", action="store_true")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), help="a throughput.py workload instead of --model")
+    parser.add_argument("--jit", default="auto", choices=("auto", "True", "False"), help="compile(jit_compile=)")
     args = parser.parse_args()
     if args.collective_spin is not None:
         keras_pipe.comm.COLLECTIVE_SPIN_S = args.collective_spin
     if args.no_gc:
         gc.disable()
-    n = BATCH * STEPS_PER_EPOCH
-    x, y = make_data(n)
-    model = PipelineModel(
-        build_layers(**MODELS[args.model]), num_stages=args.num_stages, num_microbatches=args.microbatches
-    )
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    batch, steps, chain = BATCH, STEPS_PER_EPOCH, dict(MODELS[args.model], features=784)
+    if args.workload:
+        spec = WORKLOADS[args.workload]
+        batch, steps = spec["batch"], spec["steps"]
+        chain = {key: spec[key] for key in ("features", "width", "depth")}
+    n = batch * steps
+    x, y = make_data(n, chain["features"])
+    model = PipelineModel(build_layers(**chain), num_stages=args.num_stages, num_microbatches=args.microbatches)
+    jit = {"True": True, "False": False}.get(args.jit, "auto")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=jit)
     spans, epochs = [], []
 
     class Recorder:
@@ -75,7 +85,7 @@ def main():
             if epochs:
                 spans.append(("whole step", 0, 0, self.step_began, time.perf_counter()))
 
-    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Record()])
+    model.fit(x, y, batch_size=batch, epochs=3, shuffle=False, verbose=0, callbacks=[Record()])
     per_kind: dict = {}
     for name, _, _, began, ended in spans:
         per_kind[name] = per_kind.get(name, 0.0) + ended - began

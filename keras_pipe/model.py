@@ -23,6 +23,7 @@ from keras_pipe import weights as _weights
 from keras_pipe.building import ModelBuilding
 from keras_pipe.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
 from keras_pipe.compute import Masked
+from keras_pipe.datasets import DatasetStrategy
 from keras_pipe.engine import Engine
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.failure import collective
@@ -209,6 +210,11 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
     num_microbatches = property(lambda self: self.engine.num_microbatches, doc="Micro-batches per batch.")
     schedule = property(lambda self: self.engine.schedule, doc="The training schedule's name.")
     balance = property(lambda self: self.engine.balance, doc="Nodes per stage, once built.")
+
+    @property
+    def distribute_strategy(self):
+        """Keras' strategy; Keras' loop gets its datasets from it with tf.data's autotuning off (see datasets.py)."""
+        return DatasetStrategy(super().distribute_strategy)
 
     @property
     def tracer(self):
