@@ -12,8 +12,8 @@ injected prefetch did not help.
 
 So every dataset Keras' epoch iterator makes (from arrays) or is given gets
 ``autotune.enabled = False``, unless its options already set it: a user's
-``with_options`` wins. ``AUTOTUNE`` parallelism then means one call per core,
-tf.data's fallback. Keras hands every such dataset to
+``with_options`` wins (``AUTOTUNE`` parallelism and buffers then take
+tf.data's untuned defaults). Keras hands every such dataset to
 ``model.distribute_strategy.experimental_distribute_dataset``, so that is
 where :class:`DatasetStrategy` sets it.
 
