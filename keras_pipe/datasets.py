@@ -53,4 +53,6 @@ class DatasetStrategy:
         return self._strategy.experimental_distribute_dataset(without_autotuning(dataset), options)
 
     def __getattr__(self, name):
+        if name == "_strategy":  # (not yet set: a copy being made)
+            raise AttributeError(name)
         return getattr(self._strategy, name)
