@@ -31,7 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import keras  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from throughput import BATCH, MODELS, STEPS_PER_EPOCH, WORKLOADS, build_layers, make_data  # noqa: E402
+from throughput import (  # noqa: E402
+    BATCH,
+    MODELS,
+    STEPS_PER_EPOCH,
+    WORKLOADS,
+    build_layers,
+    jit_compile_of,
+    make_data,
+)
 
 import keras_pipe.comm  # noqa: E402
 from keras_pipe import PipelineModel  # noqa: E402
@@ -59,8 +67,7 @@ def main():
     n = batch * steps
     x, y = make_data(n, chain["features"])
     model = PipelineModel(build_layers(**chain), num_stages=args.num_stages, num_microbatches=args.microbatches)
-    jit = {"True": True, "False": False}.get(args.jit, "auto")
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=jit)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=jit_compile_of(args.jit))
     spans, epochs = [], []
 
     class Recorder:

@@ -67,6 +67,11 @@ def build_layers(width, depth, features=784):
     return layers
 
 
+def jit_compile_of(text: str):
+    """``compile(jit_compile=)`` from a command line's ``True``, ``False`` or ``auto``."""
+    return {"True": True, "False": False}.get(text, "auto")
+
+
 def make_data(n, features=784):
     """``n`` random samples and labels of 10 classes, the same in every process."""
     import numpy as np
@@ -178,7 +183,7 @@ def main():
     parser.add_argument("--compare-tree", help="another checkout whose keras_pipe each pipeline row also runs")
     args = parser.parse_args()
     if args.worker:
-        args.jit = {"True": True, "False": False}.get(args.jit, "auto")
+        args.jit = jit_compile_of(args.jit)
         return worker(args)
     if args.smoke:
         args.workloads, args.rounds, args.epochs = ["small"], 1, 1
