@@ -53,6 +53,7 @@ def main():
     parser.add_argument("--collective-spin", type=float, default=None, help="seconds (default: the library's)")
     parser.add_argument("--no-gc", action="store_true")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), help="a throughput.py workload instead of --model")
+    parser.add_argument("--schedule", default="1f1b", help="PipelineModel's schedule=")
     parser.add_argument("--jit", default="auto", choices=("auto", "True", "False"), help="compile(jit_compile=)")
     args = parser.parse_args()
     if args.collective_spin is not None:
@@ -66,7 +67,9 @@ def main():
         chain = {key: spec[key] for key in ("features", "width", "depth")}
     n = batch * steps
     x, y = make_data(n, chain["features"])
-    model = PipelineModel(build_layers(**chain), num_stages=args.num_stages, num_microbatches=args.microbatches)
+    model = PipelineModel(
+        build_layers(**chain), num_stages=args.num_stages, num_microbatches=args.microbatches, schedule=args.schedule
+    )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=jit_compile_of(args.jit))
     spans, epochs = [], []
 

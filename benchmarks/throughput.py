@@ -18,7 +18,8 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
   cost per step and per micro-batch, shown as milliseconds per step;
 - ``balanced-b64``, ``balanced-b256``: 1024 -> 8 x Dense(1024) -> 10, which
   two ranks split into two equal stages (the chain torch's pipelining was
-  measured on in the issues).
+  measured on in the issues), with m = 2 (as many micro-batches as ranks:
+  the thickest) beside m = 4 and 8.
 
 ``--recompute always`` trains every PipelineModel row with that option.
 ``--compare-tree PATH`` runs every PipelineModel configuration a second
@@ -27,7 +28,10 @@ release), alternated with this one's: "no step slower" as a ratio of one run.
 
 Configurations: ``keras.Sequential`` with the default ``compile()`` and with
 ``jit_compile=True``, on all cores and on one core; ``PipelineModel`` on one
-rank and on two ranks with each schedule. Efficiency = measured /
+rank and on two ranks with each schedule. The ``Sequential`` rows train with
+tf.data's autotuning off, as ``PipelineModel`` does: the stronger baseline
+here (``--sequential-autotune on`` gives Keras' default; on the balanced
+chain, all cores, that was 1.18-1.32x slower, one core 1.01-1.04x). Efficiency = measured /
 (P x m / (m + P - 1) x the one-core speed of the faster Sequential at the same
 batch): the fraction of an ideal pipeline of single-core stages.
 """
@@ -48,8 +52,8 @@ WORKLOADS = {
     "mlp-b512": dict(features=784, width=2048, depth=4, batch=512, steps=6, microbatches=(8,)),
     "small": dict(features=64, width=128, depth=4, batch=64, steps=48, microbatches=(1, 4), metric=True),
     # the balanced chain of the issues (two equal stages on two ranks), beside torch's pipelining of it
-    "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32, microbatches=(4, 8)),
-    "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12, microbatches=(4,)),
+    "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32, microbatches=(2, 4, 8)),
+    "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12, microbatches=(2, 4)),
 }
 SCHEDULES = ("1f1b", "gpipe", "zb-h1", "auto", "interleaved-1f1b", "zb-v")  # (the last two: two chunks a rank)
 # The models of benchmarks/scaling.py and step_spans.py (batch 64, 24 steps per epoch).
@@ -97,7 +101,16 @@ def worker(args):
     n = spec["batch"] * spec["steps"]
     x, y = make_data(n, spec["features"])
     layers = build_layers(spec["width"], spec["depth"], spec["features"])
-    if args.kind == "sequential":
+    if args.kind == "sequential" and args.autotune == "off":
+        from keras_pipe.datasets import DatasetStrategy
+
+        class Untuned(keras.Sequential):
+            @property
+            def distribute_strategy(self):
+                return DatasetStrategy(super().distribute_strategy)
+
+        model = Untuned(layers)
+    elif args.kind == "sequential":
         model = keras.Sequential(layers)
     else:
         from keras_pipe import PipelineModel
@@ -147,14 +160,18 @@ def launch(ranks, *worker_args, env=None) -> float:
     return result["samples_per_s"]
 
 
-def configurations(workload: str) -> list[tuple[str, int, list[str]]]:
-    """``(label, ranks, worker arguments)`` of every configuration of a workload."""
+def configurations(workload: str, autotune: str = "off") -> list[tuple[str, int, list[str]]]:
+    """``(label, ranks, worker arguments)`` of every configuration of a workload.
+
+    ``autotune`` is tf.data's autotuning for the ``Sequential`` rows (``PipelineModel`` turns it off).
+    """
     spec = WORKLOADS[workload]
     rows = []
     for jit in ("False", "True"):
         for threads, cores in ((0, "all cores"), (1, "1 core")):
             label = f"Sequential{' jit' if jit == 'True' else ''}, {cores}"
-            rows.append((label, 1, ["--kind", "sequential", "--jit", jit, "--threads", str(threads)]))
+            worker_args = ["--kind", "sequential", "--jit", jit, "--threads", str(threads), "--autotune", autotune]
+            rows.append((label, 1, worker_args))
     rows.append(("PipelineModel 1 rank, m=1", 1, ["--kind", "pipeline", "--microbatches", "1"]))
     for m in spec["microbatches"]:
         for schedule in SCHEDULES if m > 1 else ("1f1b",):
@@ -168,6 +185,7 @@ def main():
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="sequential", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--autotune", default="off", help=argparse.SUPPRESS)
     parser.add_argument("--jit", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="mlp-b64", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=4, help=argparse.SUPPRESS)
@@ -181,6 +199,12 @@ def main():
     )
     parser.add_argument("--smoke", action="store_true", help="the small workload, 1 round of 1 epoch, 3 configurations")
     parser.add_argument("--compare-tree", help="another checkout whose keras_pipe each pipeline row also runs")
+    parser.add_argument(
+        "--sequential-autotune",
+        choices=("off", "on"),
+        default="off",
+        help="tf.data's autotuning for the Sequential rows (default off: the faster here; on: Keras' default)",
+    )
     args = parser.parse_args()
     if args.worker:
         args.jit = jit_compile_of(args.jit)
@@ -188,11 +212,12 @@ def main():
     if args.smoke:
         args.workloads, args.rounds, args.epochs = ["small"], 1, 1
     print(f"host: {os.cpu_count()} cores; median of {args.rounds} alternated rounds of {args.epochs} timed epochs")
+    print(f"Sequential rows: tf.data's autotuning {args.sequential_autotune}")
     if args.recompute != "never":
         print(f"PipelineModel(recompute={args.recompute!r})")
     for workload in args.workloads:
         spec = WORKLOADS[workload]
-        rows = configurations(workload)
+        rows = configurations(workload, args.sequential_autotune)
         if args.smoke:
             rows = [row for row in rows if row[0].endswith(("all cores", " 1f1b, m=4"))]
         if args.only:
