@@ -4,6 +4,7 @@
     mpirun -n 2 python benchmarks/step_spans.py --num-stages 1 --model deep-512x16 --collective-spin 0
     mpirun -n 2 python benchmarks/step_spans.py --num-stages 2 --microbatches 4
     mpirun -n 2 python benchmarks/step_spans.py --num-stages 2 --microbatches 4 --workload balanced-b64 --jit False
+    mpirun -n 2 python benchmarks/step_spans.py --num-stages 2 --microbatches 2 --schedule zb-h1 --workload balanced-b64
 
 Trains the benchmark models of ``throughput.py`` (batch 64, 24 steps per
 epoch, 3 epochs), records every step's spans (forward, backward, all-reduce,
@@ -14,7 +15,8 @@ long the gradient all-reduce polls before it starts sleeping
 Python's garbage collector off. ``--workload balanced-b64`` trains
 ``throughput.py``'s balanced chain (1024 -> 8 x Dense(1024), batch 64)
 instead of ``--model``; ``--jit False`` compiles with
-``jit_compile=False`` (plain graphs, no XLA).
+``jit_compile=False`` (plain graphs, no XLA); ``--schedule`` is
+``PipelineModel``'s (default ``1f1b``).
 """
 
 import argparse
