@@ -5,7 +5,8 @@ knows (only the batch dimension is read from the message size); nothing a
 peer sends is ever unpickled. Sends are non-blocking and overlap the next
 computation. A rank that waits polls with a growing sleep instead of calling
 a blocking ``Recv``, which in MPICH spins a whole core, and gives up with a
-:class:`PipelineStallError` after ``stall_timeout`` seconds.
+:class:`PipelineStallError` after ``stall_timeout`` seconds (what it answers
+and reports meanwhile: :mod:`keras_pipe.stall`).
 
 Set ``KERAS_PIPE_DEBUG=1`` to print every send and receive, prefixed with the rank.
 """
@@ -23,7 +24,9 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from keras_pipe import stall
 from keras_pipe.errors import PipelineStallError
+from keras_pipe.stall import PROCESS, StallReports, check_stall_timeout, stall_timeout_from_env
 
 # Message tags. MPI keeps messages of one (source, tag) pair in order, so
 # micro-batches need no tag of their own.
@@ -32,22 +35,8 @@ TAG_GRADIENT = 12
 TAG_TARGETS = 13
 TAG_STATE = 14  # weights and optimizer state on their way to or from rank 0
 TAG_PROBE = 15  # the first batch's real forward, every message describing itself (see probe.py)
-TAG_STATUS_REQUEST = 21  # a stalled rank asks every other rank what it is doing
-TAG_STATUS_REPLY = 22
-TAG_FAILED = 23  # a rank that raised tells every other where (see failure.py)
-TAG_ALIVE = 24  # and a rank already past that point answers that it did not raise there
-_REPORT_GRACE_S = 5.0  # how long a stalled rank waits for the others' answers
+# (tags 21-24, the stall reports' and the failure checks': keras_pipe.stall)
 
-DEFAULT_STALL_TIMEOUT = 600.0
-# The ranks of a job start together and run the same script, so they reach
-# their first PipelineModel within seconds of each other: the timer starts
-# when a rank gets there, after its own imports, so only the difference
-# between ranks counts (measured: under 3 s with 4 ranks importing
-# TensorFlow on 2 busy cores). A rank that failed before (a typo in the
-# first lines, a broken import) is then named within this long, not the
-# stall timeout's ten minutes. Raise it (KERAS_PIPE_START_TIMEOUT) where
-# ranks start far apart, e.g. from a slow shared filesystem.
-DEFAULT_START_TIMEOUT = 30.0
 # Poll without sleeping this long before backing off: 2 ms where every rank
 # of the host has a core of its own (a sleep costs ~60-80 us of wake-up
 # latency on every message, and spinning takes no core another rank needs;
@@ -71,47 +60,7 @@ def debug_enabled() -> bool:
     return os.environ.get("KERAS_PIPE_DEBUG", "") not in ("", "0")
 
 
-def start_timeout_from_env(environ=os.environ) -> float:
-    """``KERAS_PIPE_START_TIMEOUT`` in seconds (default :data:`DEFAULT_START_TIMEOUT`): the job's first rendezvous.
-
-    >>> start_timeout_from_env(environ={})
-    30.0
-    """
-    value = environ.get("KERAS_PIPE_START_TIMEOUT", "")
-    if not value.strip():
-        return DEFAULT_START_TIMEOUT
-    return check_stall_timeout(value, "KERAS_PIPE_START_TIMEOUT")
-
-
-def stall_timeout_from_env(default: float = DEFAULT_STALL_TIMEOUT, environ=os.environ) -> float:
-    """``KERAS_PIPE_STALL_TIMEOUT`` in seconds, ``default`` when unset; a clear error naming it when invalid.
-
-    >>> stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "30"})
-    30.0
-    """
-    value = environ.get("KERAS_PIPE_STALL_TIMEOUT", "")
-    if not value.strip():
-        return default
-    return check_stall_timeout(value, "KERAS_PIPE_STALL_TIMEOUT")
-
-
-def check_stall_timeout(value, name: str = "stall_timeout") -> float:
-    """A stall timeout as a positive number of seconds; a ``PipelineConfigError`` naming ``name`` otherwise."""
-    from keras_pipe.errors import PipelineConfigError
-
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not seconds > 0:  # also refuses NaN
-        raise PipelineConfigError(
-            f"{name}={value!r}: give the seconds a rank may wait for another before the job is ended as stuck, "
-            f"a positive number (default {DEFAULT_STALL_TIMEOUT:g}; 'inf' never ends it)"
-        )
-    return seconds
-
-
-class Communicator:
+class Communicator(StallReports):
     """The pipeline's view of an MPI communicator.
 
     Example:
@@ -364,7 +313,7 @@ class Communicator:
             waited = now - start
             if now > next_status_check:
                 root.answer_status_requests()
-                note_failures()
+                stall.note_failures()
                 dead = root.dead_peers()
                 if dead and not poll():  # (a peer that finished may have sent what we wait for)
                     root.report_dead_peers(dead, what)
@@ -389,114 +338,6 @@ class Communicator:
                 sleep = min(ceiling, max(sleep * 2, 20e-6))
                 time.sleep(sleep)
 
-    # -- stall reports --------------------------------------------------
-
-    def _status(self) -> dict:
-        shared = self._shared
-        status = {"rank": self.rank, "doing": shared.doing}
-        if shared.waiting_for:
-            status["waiting_for"] = shared.waiting_for
-            status["waited_s"] = round(time.monotonic() - shared.wait_started, 1)
-        return status
-
-    def answer_status_requests(self) -> None:
-        """Tells any stalled rank that asks what this rank is doing (JSON, no pickling)."""
-        status = MPI.Status()
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATUS_REQUEST, status=status):
-            source = status.Get_source()
-            self.comm.Recv(np.empty(1, np.int64), source=source, tag=TAG_STATUS_REQUEST)
-            reply = np.frombuffer(json.dumps(self._status()).encode(), np.uint8).copy()
-            self._shared.replies.append((self.comm.Isend(reply, dest=source, tag=TAG_STATUS_REPLY), reply))
-            self._shared.last_asked = time.monotonic()
-            self._shared.asked_by.add(source)
-        self._shared.replies = [(r, a) for r, a in self._shared.replies if not r.Test()]
-
-    def set_peers(self, peers: list[tuple[str, int]]) -> None:
-        """Every rank's (host, pid), so that a wait notices a rank of this host whose process has gone."""
-        self._shared.peers = list(peers)
-
-    def dead_peers(self) -> list[int]:
-        """The ranks of this host whose process no longer exists (ranks elsewhere cannot be checked by pid)."""
-        peers = self._shared.peers
-        if not peers:
-            return []
-        host = peers[self.rank][0]
-        return [r for r, (h, pid) in enumerate(peers) if h == host and r != self.rank and not _alive(pid)]
-
-    def report_dead_peers(self, dead: list[int], what: str) -> None:
-        """Raises :class:`PipelineStallError` naming the ranks of this host whose process has gone.
-
-        A rank elsewhere that dies is found by the stall timeout. Every
-        survivor of the host notices; the lowest reports first, and the
-        others, asked by it for their status, leave the report to it.
-        """
-        shared = self._shared
-        now = time.monotonic()
-        shared.dead_since = shared.dead_since or now
-        if now - shared.dead_since < 0.2 * self.rank or shared.someone_reporting(now):
-            return
-        names = ", ".join(f"rank {r} (pid {shared.peers[r][1]} on {shared.peers[r][0]})" for r in dead)
-        report = self.stall_report(dead=dead)
-        if report is None:
-            return
-        raise PipelineStallError(
-            f"{names} stopped: its process no longer exists (killed by a signal, by the out-of-memory killer, or "
-            f"it exited without keras_pipe noticing). Rank {self.rank} was waiting for {what} while {self.doing}. "
-            "What each rank was doing:\n" + report
-        )
-
-    def stall_report(self, dead: list[int] = ()) -> str | None:
-        """Asks every other rank what it is doing; one line per rank (silent ranks marked).
-
-        ``None`` when a lower rank asked this one meanwhile: it reports, once, for every rank.
-        """
-        asks = [np.zeros(1, np.int64) for _ in range(self.size)]
-        requests = [
-            self.comm.Isend(asks[r], dest=r, tag=TAG_STATUS_REQUEST)
-            for r in range(self.size)
-            if r != self.rank and r not in dead
-        ]
-        answers = {self.rank: self._status()}
-        answers.update({r: {"rank": r, "doing": "dead: its process no longer exists"} for r in dead})
-        deadline = time.monotonic() + _REPORT_GRACE_S
-        status = MPI.Status()
-        self._shared.asked_by.clear()
-        while len(answers) < self.size and time.monotonic() < deadline:
-            self.answer_status_requests()  # another stalled rank may be asking us
-            if any(r < self.rank for r in self._shared.asked_by):
-                for request in requests:  # a lower rank reports (one report, not one per rank)
-                    if not request.Test():
-                        request.Cancel()
-                return None
-            if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATUS_REPLY, status=status):
-                payload = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-                self.comm.Recv(payload, source=status.Get_source(), tag=TAG_STATUS_REPLY)
-                answer = json.loads(bytes(payload))
-                answers[int(answer["rank"])] = answer
-            else:
-                time.sleep(0.01)
-        for request in requests:
-            if not request.Test():
-                request.Cancel()
-        lines = []
-        for rank in range(self.size):
-            answer = answers.get(rank)
-            if answer is None:
-                lines.append(
-                    f"  rank {rank}: no answer within {_REPORT_GRACE_S:g} s ({self._where(rank)}dead, stuck "
-                    "outside keras_pipe, or failed before its first PipelineModel: see its own output)"
-                )
-                continue
-            line = f"  rank {rank}: {answer['doing']}"
-            if "waiting_for" in answer:
-                line += f"; waiting {answer['waited_s']} s for {answer['waiting_for']}"
-            lines.append(line + ("  <-- reporting" if rank == self.rank else ""))
-        return "\n".join(lines)
-
-    def _where(self, rank: int) -> str:
-        peers = self._shared.peers
-        return f"pid {peers[rank][1]} on {peers[rank][0]}: " if peers and self._parent is None else ""
-
     def _log(self, text: str) -> None:
         if self._debug:
             print(f"[keras_pipe rank {self.world_rank}] {text} ({self.doing})", file=sys.stderr, flush=True)
@@ -512,34 +353,6 @@ def point_to_point_spin() -> float:
     return _SPIN_S
 
 
-class _SharedState:
-    """What this process is doing, shared by all of its communicators (one per process: :data:`PROCESS`)."""
-
-    def __init__(self):
-        self.collectives = 0  # collectives of every rank of the job completed here (see failure.verify)
-        self.in_step = False  # inside a step's actions (messages in flight)
-        # rank -> its announcements not yet answered, oldest first: [collectives, in step, error digest] each.
-        # A queue, not the latest: a rank whose collective error is caught and raised anew (a callback
-        # wrapping load_weights' error) announces twice, and its second may arrive while this rank still
-        # hears the first; each round of failure.verify takes one announcement a rank.
-        self.failures: dict[int, list[list]] = {}
-        self.answered: set[int] = set()  # failed ranks told that this one went on past their point
-        self.failing = False  # this rank is finding out whether the others raised too
-        self.asked_by: set[int] = set()  # ranks that asked for this one's status (during a report)
-        self.doing = "idle"
-        self.waiting_for = ""
-        self.wait_started = 0.0
-        self.replies: list = []
-        self.peers: list[tuple[str, int]] = []  # every world rank's (host, pid)
-        self.last_asked = -float("inf")  # when another rank last asked for this one's status
-        self.dead_since = 0.0
-
-    def someone_reporting(self, now: float) -> bool:
-        """Whether another rank is writing a stall report (it asked this one lately): one report, not one per rank."""
-        return now - self.last_asked < _REPORT_GRACE_S + 5.0
-
-
-PROCESS = _SharedState()
 _CREATED: list = []  # the MPI communicators keras_pipe made (split, duplicated), freed at exit
 
 
@@ -564,47 +377,6 @@ def _free_created() -> None:
                 comm.Free()
         except MPI.Exception:
             pass
-
-
-def note_failures() -> None:
-    """Takes in other ranks' failure announcements; tells each whose point this rank has passed that it went on.
-
-    A rank that raised announces how many job-wide collectives it had
-    completed (:func:`keras_pipe.failure.verify`). This rank, while waiting,
-    answers "alive" once it has completed at least as many: it is past the
-    point where the other raised and did not raise there, so the failure is
-    that rank's alone and it ends the job. A rank still behind stays silent:
-    it may yet raise the same error at the same point.
-    """
-    world = MPI.COMM_WORLD
-    status = MPI.Status()
-    while world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_FAILED, status=status):
-        source = status.Get_source()
-        announced = np.empty(3, np.int64)
-        world.Recv(announced, source=source, tag=TAG_FAILED)
-        PROCESS.failures.setdefault(source, []).append(announced.tolist())
-    if PROCESS.failing:
-        return  # this rank raised too: its own announcement answers
-    for rank, announcements in list(PROCESS.failures.items()):
-        if announcements and rank not in PROCESS.answered and PROCESS.collectives >= announcements[0][0]:
-            reply = np.array([PROCESS.collectives], np.int64)
-            PROCESS.replies.append((world.Isend(reply, dest=rank, tag=TAG_ALIVE), reply))
-            PROCESS.answered.add(rank)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` (of this host) exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): it exists
 
 
 def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:

@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from keras_pipe import comm as _comm
+from keras_pipe import stall as _stall
 
 _installed = False
 # MPI_Abort makes the launcher kill every process at once, and Hydra may
@@ -64,7 +65,7 @@ def verify(error: BaseException) -> tuple[bool, bool]:
     completed and whether it was inside a step (messages in flight), then
     waits for each to answer. A rank that raised too announces the same; a
     rank that went on past this point answers that it did
-    (:func:`keras_pipe.comm.note_failures`), and a rank whose process is
+    (:func:`keras_pipe.stall.note_failures`), and a rank whose process is
     gone cannot answer: either way this rank's failure is its own. A rank
     that is busy computing answers when it next waits, or raises; silence
     beyond the stall timeout counts as "went on". Only a failure every rank
@@ -76,7 +77,7 @@ def verify(error: BaseException) -> tuple[bool, bool]:
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return True, True
-    process = _comm.PROCESS
+    process = _stall.PROCESS
     digest = int(np.frombuffer(hashlib.blake2b(_text(error).encode(), digest_size=8).digest(), np.int64)[0])
     mine = np.array([process.collectives, int(process.in_step), digest], np.int64)
     process.failing = True
@@ -93,15 +94,15 @@ def verify(error: BaseException) -> tuple[bool, bool]:
 
 def _hear_from_the_others(world, process, mine, digest) -> tuple[bool, bool]:
     size, rank = world.Get_size(), world.Get_rank()
-    sends = [world.Isend(mine, dest=r, tag=_comm.TAG_FAILED) for r in range(size) if r != rank]
-    deadline = time.monotonic() + _comm.stall_timeout_from_env()
+    sends = [world.Isend(mine, dest=r, tag=_stall.TAG_FAILED) for r in range(size) if r != rank]
+    deadline = time.monotonic() + _stall.stall_timeout_from_env()
     outcome = (False, False)
     status = MPI.Status()
     reporter = _comm.Communicator() if process.peers else None
     while time.monotonic() < deadline:
-        _comm.note_failures()
-        if world.Iprobe(source=MPI.ANY_SOURCE, tag=_comm.TAG_ALIVE, status=status):
-            world.Recv(np.empty(1, np.int64), source=status.Get_source(), tag=_comm.TAG_ALIVE)
+        _stall.note_failures()
+        if world.Iprobe(source=MPI.ANY_SOURCE, tag=_stall.TAG_ALIVE, status=status):
+            world.Recv(np.empty(1, np.int64), source=status.Get_source(), tag=_stall.TAG_ALIVE)
             break  # a rank went on past this point
         failed = {r: process.failures[r][0] for r in range(size) if r != rank and process.failures.get(r)}
         if len(failed) == size - 1:

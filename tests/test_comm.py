@@ -19,8 +19,8 @@ def test_waiting_ten_seconds_costs_well_under_a_second_of_cpu():
 
 
 def test_the_stall_timeout_from_the_environment_is_checked_naming_the_variable():
-    from keras_pipe.comm import DEFAULT_STALL_TIMEOUT, stall_timeout_from_env
     from keras_pipe.errors import PipelineConfigError
+    from keras_pipe.stall import DEFAULT_STALL_TIMEOUT, stall_timeout_from_env
 
     assert stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "30"}) == 30.0
     assert stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "inf"}) == float("inf")
@@ -28,3 +28,11 @@ def test_the_stall_timeout_from_the_environment_is_checked_naming_the_variable()
     for bad in ("0", "-5", "abc", "nan"):
         with pytest.raises(PipelineConfigError, match=f"KERAS_PIPE_STALL_TIMEOUT='{bad}': give the seconds"):
             stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": bad})
+
+
+def test_examples():
+    import doctest
+
+    from keras_pipe import stall
+
+    assert doctest.testmod(stall).failed == 0

@@ -58,17 +58,17 @@ if mode == "after-import" and RANK == 1:
     failing()
     open("/nonexistent/rank-1/data.npz")  # a typo in a path: FileNotFoundError
 if mode == "raised-anew" and RANK == 0:
-    from keras_pipe import comm
+    from keras_pipe import stall
 
-    hear_failures, heard_late = comm.note_failures, []
+    hear_failures, heard_late = stall.note_failures, []
 
     def note_failures_late():
-        if comm.PROCESS.failing and not heard_late:
+        if stall.PROCESS.failing and not heard_late:
             heard_late.append(True)
             time.sleep(2.0)  # the others' second announcement arrives meanwhile
         hear_failures()
 
-    comm.note_failures = note_failures_late
+    stall.note_failures = note_failures_late
 
 
 class ResumeOrExplain(keras.callbacks.Callback):
