@@ -88,14 +88,14 @@ def _run_two_chunks(optimizer, fusable: bool):
     m = 2
     batch = training_batch(m, optimizer)
     updates = []
-    import keras_pipe.executor as executor_module
+    import keras_pipe.step_end as step_end_module
 
-    original = executor_module.apply_together
-    executor_module.apply_together = lambda computes, optimizer, grads, scale: updates.append(len(computes))
+    original = step_end_module.apply_together
+    step_end_module.apply_together = lambda computes, optimizer, grads, scale: updates.append(len(computes))
     try:
         executor.run(make_schedule("zb-v", 1, m, num_chunks=2)[0], batch)
     finally:
-        executor_module.apply_together = original
+        step_end_module.apply_together = original
     return logs, updates
 
 

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from keras_pipe.executor import Batch, Executor, clip_scale, whole_model_scale
+from keras_pipe.executor import Batch, Executor
 from keras_pipe.schedule import gpipe, make_schedule
+from keras_pipe.step_end import clip_scale, whole_model_scale
 
 
 class FakeGradients:
@@ -227,3 +228,11 @@ def test_the_whole_models_gradient_scale():
     assert clip_scale(16.0, 2.0) == 0.5  # norm 4 clipped to 2
     assert clip_scale(1.0, 2.0) == 1.0
     assert str(whole_model_scale(None, float("inf"), 1.0)) == "nan"  # a non-finite stage: every stage skips
+
+
+def test_examples():
+    import doctest
+
+    from keras_pipe import step_end
+
+    assert doctest.testmod(step_end).failed == 0
