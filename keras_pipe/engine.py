@@ -3,7 +3,9 @@
 The engine owns everything that spans ranks: the communicators and the
 layout (:mod:`keras_pipe.topology`), the model's graph and its cut
 (:mod:`keras_pipe.graph`, :mod:`keras_pipe.cut`), this rank's stage
-(compute, links, executor), the per-step agreement and the log sharing.
+(compute, links, executor), the per-step agreement and the log sharing;
+the actions it runs (:mod:`keras_pipe.stage_actions`) and the targets and
+predictions it exchanges (:mod:`keras_pipe.predictions`) are its mixins.
 ``PipelineModel`` is a thin Keras façade over it; saving, weights, the
 timeline and the benchmarks use the engine's public attributes below, never
 the façade's private ones.
@@ -36,13 +38,15 @@ from keras_pipe.links import Links
 from keras_pipe.logs import LogSharing
 from keras_pipe.losses import divisor_shares
 from keras_pipe.microbatch import microbatch_bounds, replica_bounds
+from keras_pipe.predictions import PredictionExchange
 from keras_pipe.profile import balance_by_time
 from keras_pipe.runtime import init, start_entry_agreement
+from keras_pipe.stage_actions import StageActions
 from keras_pipe.threads import configure_threads
 from keras_pipe.topology import connect
 
 
-class Engine:
+class Engine(StageActions, PredictionExchange):
     """The pipeline of one model on this rank (collective to create: every rank creates one).
 
     Public attributes: ``world``, ``pipeline`` and ``replicas`` (the
@@ -329,77 +333,6 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------
 
-    def training_schedule(self) -> str:
-        """The schedule the next training step runs: ``schedule``, or what ``"auto"`` runs or has picked."""
-        return self.schedule if self.picker is None else self.picker.current()
-
-    def actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool = False) -> list:
-        """This stage's actions for a batch of ``num_microbatches`` (resolved once per configuration).
-
-        ``whole_batch_loss`` (a mean loss over a masked output) trains in
-        GPipe's order whatever the schedule: the last stage must count the
-        whole batch's unmasked entries before its first backward.
-        """
-        if self.num_chunks > 1:
-            return self._chunked_actions(phase, num_microbatches, whole_batch_loss)
-        compute = self.compute
-        # What holding a micro-batch for its W costs is estimated from the shapes, or measured on
-        # the first step, which runs each W right after its I; then the schedule holds what fits
-        # (schedule.hold_for). (In the key: compile() may change what is trainable.)
-        sizes = None
-        if phase == "train" and compute.split and compute.held_bytes is not None:
-            sizes = (compute.weight_bytes, compute.held_bytes, compute.kept_bytes)
-        key = (phase, num_microbatches, compute.split, whole_batch_loss, sizes, self.training_schedule())
-        if key not in self._schedules:
-            hold = None
-            if phase == "train" and compute.split:
-                if sizes is None:
-                    hold = {self.stage: schedule.Holding(cost=float("inf"))}
-                else:
-                    hold = {self.stage: schedule.hold_for(*sizes, num_microbatches)}
-            if phase != "train":
-                plan = schedule.forward_only(self.num_stages, num_microbatches)
-            elif whole_batch_loss:
-                plan = schedule.gpipe(self.num_stages, num_microbatches, compute.split, whole_batch_loss=True)
-            else:
-                name = self.training_schedule()
-                split = compute.split or schedule.needs_split_backward(name)
-                plan = schedule.make_schedule(name, self.num_stages, num_microbatches, split, hold)
-            actions = plan[self.stage]
-            if phase == "train" and not self.compute.split:
-                actions = _unsplit(actions)
-            self._schedules[key] = actions
-        return self._schedules[key]
-
-    def _chunked_actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool) -> list:
-        """:meth:`actions` with several chunks a rank: the chunked schedule, each ``W`` within its own bound.
-
-        A batch that interleaved 1F1B cannot take (micro-batches not a multiple
-        of the ranks: the last, short batch) and a loss over the whole batch
-        run :func:`~keras_pipe.virtual.chunked_gpipe`: the same result, GPipe's
-        memory. A chunk that cannot split its backward (a Keras mask crosses
-        it, or it recomputes) runs ``B`` where the schedule says ``I``.
-        """
-        from keras_pipe import virtual
-
-        split = [chunk.compute.split for chunk in self.chunks]
-        key = (phase, num_microbatches, tuple(split), whole_batch_loss)
-        if key not in self._schedules:
-            p, m, v = self.num_stages, num_microbatches, self.num_chunks
-            name = self.schedule
-            any_split = any(split) or schedule.needs_split_backward(name)
-            if phase != "train":
-                plan = virtual.chunked_forward_only(p, m, v)
-            elif whole_batch_loss or (name == "interleaved-1f1b" and m % p):  # (m % p: a short batch)
-                plan = virtual.chunked_gpipe(self.placement, m, any_split, whole_batch_loss)
-            else:
-                plan = schedule.make_schedule(name, p, m, any_split, num_chunks=v)
-            actions = plan[self.stage]
-            if phase == "train":
-                actions = _unsplit(actions, [c for c, s in enumerate(split) if not s])
-            self._schedules[key] = actions
-        return self._schedules[key]
-
     def run(self, phase: str, x, batch_size: int, y=None, sample_weight=None, loss=None, optimizer=None):
         """Runs one global batch through this stage: ``(loss share, term values, flat predictions)``.
 
@@ -457,56 +390,6 @@ class Engine:
                 flat.append(tf.concat(pieces, axis=0))
         return result.loss_part, result.terms, [self.gather_replicas(p, batch_size) for p in flat]
 
-    def _no_predictions(self, phase: str) -> list:
-        """A replica with no share of the batch: empty predictions of the right shapes."""
-        empty = []
-        for t in self.cut.graph.outputs:
-            tensor = self.cut.graph.tensors[t]
-            y_pred = tf.zeros((0,) + tuple(d or 1 for d in tensor.shape[1:]), tensor.dtype)
-            mask = (self.masks or {}).get(t)
-            if mask is None or phase == "predict":
-                empty.append(y_pred)
-            else:
-                empty.append(Masked(y_pred, tf.zeros((0,) + tuple(d or 1 for d in mask[1:]), tf.bool)))
-        return empty
-
-    def gather_replicas(self, y_pred, batch_size: int):
-        """Last stage: the whole global batch's predictions (``Masked`` ones too), every replica's share, in order."""
-        if self.replicas is None:
-            return y_pred
-        counts = [stop - start for start, stop in replica_bounds(batch_size, self.num_replicas)]
-        if isinstance(y_pred, Masked):
-            mask = self.replicas.allgather_rows(y_pred.mask.numpy().astype(np.uint8), counts)
-            return Masked(self.gather_replicas(y_pred.tensor, batch_size), tf.convert_to_tensor(mask.astype(bool)))
-        return tf.convert_to_tensor(self.replicas.allgather_rows(y_pred.numpy(), counts))
-
-    def broadcast_predictions(self, flat, batch_size: int) -> list:
-        """Every rank gets the last stage's flat predictions of the batch (shapes travel: they may vary)."""
-        if self.num_stages == 1:
-            return flat
-        root = self.last_rank
-        shapes = self.pipeline.bcast_json([list(p.shape) for p in flat] if self.is_last else None, root=root)
-        result = []
-        for k, (t, shape) in enumerate(zip(self.cut.graph.outputs, shapes)):
-            dtype = tf.as_dtype(self.cut.graph.tensors[t].dtype).as_numpy_dtype
-            buffer = flat[k].numpy() if self.is_last else np.empty(shape, dtype)
-            result.append(tf.convert_to_tensor(self.pipeline.bcast_array(buffer, root=root)))
-        return result
-
-    def exchange_targets(self, y, sample_weight, batch_size: int):
-        """The first stage's labels and sample weights, on the last stage (paired with its inputs)."""
-        if self.links is None:
-            return y, sample_weight
-        flat = [a for a in keras.tree.flatten((y, sample_weight)) if a is not None]
-        first = next(chunk for chunk in self.chunks if chunk.is_first) if self.is_first else None
-        last = next(chunk for chunk in self.chunks if chunk.is_last) if self.is_last else None
-        if first is not None:
-            first.links.send_targets(flat)
-        if last is not None:
-            received = iter(last.links.receive_targets(flat, batch_size))
-            return keras.tree.map_structure(lambda a: None if a is None else next(received), (y, sample_weight))
-        return y, sample_weight
-
     # -- weights -------------------------------------------------------------------------
 
     def owner_of(self, unit: str) -> int:
@@ -526,21 +409,3 @@ class Engine:
     def stage_layers(self) -> list:
         """The layers this rank holds weights of (every chunk's), once built."""
         return [layer for chunk in self.chunks for layer in chunk.compute.layers]
-
-
-def _unsplit(actions: list, chunks=None) -> list:
-    """A schedule with a split backward, for a stage that cannot split: I -> B, FI -> FB, no W.
-
-    ``chunks``: only those chunks' actions (``None``: every action).
-    """
-    renamed = {
-        schedule.Kind.BACKWARD_INPUT: schedule.Kind.BACKWARD,
-        schedule.Kind.FORWARD_INPUT: schedule.Kind.FORWARD_BACKWARD,
-    }
-    result = []
-    for a in actions:
-        if chunks is not None and a.chunk not in chunks:
-            result.append(a)
-        elif a.kind is not schedule.Kind.BACKWARD_WEIGHT:
-            result.append(schedule.Action(renamed.get(a.kind, a.kind), a.microbatches, a.chunk))
-    return result

@@ -1,0 +1,108 @@
+"""Internal: which actions this rank runs for a batch: its stage's (or chunks') schedule, resolved once a configuration.
+
+A schedule (:mod:`keras_pipe.schedule`) is plain data for every stage; a
+rank runs its own row, adjusted to what its stage can do: a stage that
+cannot split its backward (a Keras mask crosses it, or it recomputes) runs
+``B`` where the schedule says ``I`` and has no ``W``; a mean loss over a
+masked output trains in GPipe's order (the last stage counts the whole
+batch before its first backward); evaluation and prediction run forwards
+only. The result is cached per phase, number of micro-batches and what
+holding a micro-batch for its ``W`` costs.
+"""
+
+from __future__ import annotations
+
+from keras_pipe import schedule
+
+
+class StageActions:
+    """:class:`~keras_pipe.engine.Engine`'s schedule for its rank (its ``compute``, ``chunks``, ``picker``...)."""
+
+    def training_schedule(self) -> str:
+        """The schedule the next training step runs: ``schedule``, or what ``"auto"`` runs or has picked."""
+        return self.schedule if self.picker is None else self.picker.current()
+
+    def actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool = False) -> list:
+        """This stage's actions for a batch of ``num_microbatches`` (resolved once per configuration).
+
+        ``whole_batch_loss`` (a mean loss over a masked output) trains in
+        GPipe's order whatever the schedule: the last stage must count the
+        whole batch's unmasked entries before its first backward.
+        """
+        if self.num_chunks > 1:
+            return self._chunked_actions(phase, num_microbatches, whole_batch_loss)
+        compute = self.compute
+        # What holding a micro-batch for its W costs is estimated from the shapes, or measured on
+        # the first step, which runs each W right after its I; then the schedule holds what fits
+        # (schedule.hold_for). (In the key: compile() may change what is trainable.)
+        sizes = None
+        if phase == "train" and compute.split and compute.held_bytes is not None:
+            sizes = (compute.weight_bytes, compute.held_bytes, compute.kept_bytes)
+        key = (phase, num_microbatches, compute.split, whole_batch_loss, sizes, self.training_schedule())
+        if key not in self._schedules:
+            hold = None
+            if phase == "train" and compute.split:
+                if sizes is None:
+                    hold = {self.stage: schedule.Holding(cost=float("inf"))}
+                else:
+                    hold = {self.stage: schedule.hold_for(*sizes, num_microbatches)}
+            if phase != "train":
+                plan = schedule.forward_only(self.num_stages, num_microbatches)
+            elif whole_batch_loss:
+                plan = schedule.gpipe(self.num_stages, num_microbatches, compute.split, whole_batch_loss=True)
+            else:
+                name = self.training_schedule()
+                split = compute.split or schedule.needs_split_backward(name)
+                plan = schedule.make_schedule(name, self.num_stages, num_microbatches, split, hold)
+            actions = plan[self.stage]
+            if phase == "train" and not self.compute.split:
+                actions = _unsplit(actions)
+            self._schedules[key] = actions
+        return self._schedules[key]
+
+    def _chunked_actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool) -> list:
+        """:meth:`actions` with several chunks a rank: the chunked schedule, each ``W`` within its own bound.
+
+        A batch that interleaved 1F1B cannot take (micro-batches not a multiple
+        of the ranks: the last, short batch) and a loss over the whole batch
+        run :func:`~keras_pipe.virtual.chunked_gpipe`: the same result, GPipe's
+        memory. A chunk that cannot split its backward (a Keras mask crosses
+        it, or it recomputes) runs ``B`` where the schedule says ``I``.
+        """
+        from keras_pipe import virtual
+
+        split = [chunk.compute.split for chunk in self.chunks]
+        key = (phase, num_microbatches, tuple(split), whole_batch_loss)
+        if key not in self._schedules:
+            p, m, v = self.num_stages, num_microbatches, self.num_chunks
+            name = self.schedule
+            any_split = any(split) or schedule.needs_split_backward(name)
+            if phase != "train":
+                plan = virtual.chunked_forward_only(p, m, v)
+            elif whole_batch_loss or (name == "interleaved-1f1b" and m % p):  # (m % p: a short batch)
+                plan = virtual.chunked_gpipe(self.placement, m, any_split, whole_batch_loss)
+            else:
+                plan = schedule.make_schedule(name, p, m, any_split, num_chunks=v)
+            actions = plan[self.stage]
+            if phase == "train":
+                actions = _unsplit(actions, [c for c, s in enumerate(split) if not s])
+            self._schedules[key] = actions
+        return self._schedules[key]
+
+
+def _unsplit(actions: list, chunks=None) -> list:
+    """A schedule with a split backward, for a stage that cannot split: I -> B, FI -> FB, no W.
+
+    ``chunks``: only those chunks' actions (``None``: every action).
+    """
+    renamed = {
+        schedule.Kind.BACKWARD_INPUT: schedule.Kind.BACKWARD,
+        schedule.Kind.FORWARD_INPUT: schedule.Kind.FORWARD_BACKWARD,
+    }
+    result = []
+    for a in actions:
+        if chunks is not None and a.chunk not in chunks:
+            result.append(a)
+        elif a.kind is not schedule.Kind.BACKWARD_WEIGHT:
+            result.append(schedule.Action(renamed.get(a.kind, a.kind), a.microbatches, a.chunk))
+    return result
