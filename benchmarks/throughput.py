@@ -21,6 +21,11 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
   measured on in the issues), with m = 2 (as many micro-batches as ranks:
   the thickest) beside m = 4 and 8.
 
+``--torch-python PATH`` adds torch's pipelining of the balanced chain, the
+same split on the same two ranks (``torch_pipelining.py``, run by that
+interpreter: torch is not a dependency), 1F1B and GPipe at each m, to the
+same alternated rounds, and prints each PipelineModel row against it.
+
 ``--recompute always`` trains every PipelineModel row with that option.
 ``--compare-tree PATH`` runs every PipelineModel configuration a second
 time with the keras_pipe of another checkout (``PATH``, say the last
@@ -60,6 +65,7 @@ SCHEDULES = ("1f1b", "gpipe", "zb-h1", "auto", "interleaved-1f1b", "zb-v")  # (t
 MODELS = {"mlp-2048x4": dict(width=2048, depth=4), "deep-512x16": dict(width=512, depth=16)}
 BATCH = 64
 STEPS_PER_EPOCH = 24
+TORCH = "torch pipelining 2 ranks "  # (the label of torch's rows)
 
 
 def build_layers(width, depth, features=784):
@@ -138,10 +144,13 @@ def worker(args):
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch_script(script: Path, ranks, *worker_args, env=None) -> dict:
-    """Runs ``script --worker ...`` on ``ranks`` ranks; returns the JSON its rank 0 printed after ``RESULT``."""
+def launch_script(script: Path, ranks, *worker_args, env=None, python=None) -> dict:
+    """Runs ``script --worker ...`` on ``ranks`` ranks; returns the JSON its rank 0 printed after ``RESULT``.
+
+    ``python``: another interpreter to run the script with (torch's, for ``torch_pipelining.py``).
+    """
     mpirun = Path(sys.executable).parent / "mpirun"
-    command = [sys.executable, str(script), "--worker", *worker_args]
+    command = [python or sys.executable, str(script), "--worker", *worker_args]
     if ranks > 1 or mpirun.exists():
         command = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(ranks), *command]
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
@@ -152,18 +161,31 @@ def launch_script(script: Path, ranks, *worker_args, env=None) -> dict:
     raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout}\n{out.stderr}")
 
 
-def launch(ranks, *worker_args, env=None) -> float:
-    """Samples per second of one configuration (printing what ``schedule="auto"`` picked, where it ran)."""
+def launch(ranks, *worker_args, env=None, torch_python=None) -> float:
+    """Samples per second of one configuration (printing what ``schedule="auto"`` picked, where it ran).
+
+    ``torch_python``: the configuration is torch's pipelining, run by that interpreter.
+    """
+    if torch_python is not None:
+        import socket
+
+        with socket.socket() as probe:  # (a free port for torch's rendezvous, each launch its own)
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        script = Path(__file__).resolve().parent / "torch_pipelining.py"
+        env = dict(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return launch_script(script, ranks, *worker_args, env=env, python=torch_python)["samples_per_s"]
     result = launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)
     if "picked" in result:
         print(f"  {' '.join(worker_args)}: {result['picked']}", flush=True)
     return result["samples_per_s"]
 
 
-def configurations(workload: str, autotune: str = "off") -> list[tuple[str, int, list[str]]]:
+def configurations(workload: str, autotune: str = "off", torch: bool = False) -> list[tuple[str, int, list[str]]]:
     """``(label, ranks, worker arguments)`` of every configuration of a workload.
 
-    ``autotune`` is tf.data's autotuning for the ``Sequential`` rows (``PipelineModel`` turns it off).
+    ``autotune`` is tf.data's autotuning for the ``Sequential`` rows (``PipelineModel`` turns it off);
+    ``torch`` adds torch's pipelining of the balanced chain (1F1B and GPipe at each m).
     """
     spec = WORKLOADS[workload]
     rows = []
@@ -177,6 +199,10 @@ def configurations(workload: str, autotune: str = "off") -> list[tuple[str, int,
         for schedule in SCHEDULES if m > 1 else ("1f1b",):
             label = f"PipelineModel 2 ranks {schedule}, m={m}"
             rows.append((label, 2, ["--kind", "pipeline", "--microbatches", str(m), "--schedule", schedule]))
+    if torch and workload.startswith("balanced"):  # (benchmarks/torch_pipelining.py runs the balanced chain)
+        for m in spec["microbatches"]:
+            for schedule in ("1f1b", "gpipe"):
+                rows.append((f"{TORCH}{schedule}, m={m}", 2, ["--microbatches", str(m), "--schedule", schedule]))
     return rows
 
 
@@ -205,6 +231,10 @@ def main():
         default="off",
         help="tf.data's autotuning for the Sequential rows (default off: the faster here; on: Keras' default)",
     )
+    parser.add_argument(
+        "--torch-python",
+        help="an interpreter with torch: adds torch's pipelining of the balanced chain (torch_pipelining.py) as rows",
+    )
     args = parser.parse_args()
     if args.worker:
         args.jit = jit_compile_of(args.jit)
@@ -217,7 +247,7 @@ def main():
         print(f"PipelineModel(recompute={args.recompute!r})")
     for workload in args.workloads:
         spec = WORKLOADS[workload]
-        rows = configurations(workload, args.sequential_autotune)
+        rows = configurations(workload, args.sequential_autotune, torch=bool(args.torch_python))
         if args.smoke:
             rows = [row for row in rows if row[0].endswith(("all cores", " 1f1b, m=4"))]
         if args.only:
@@ -235,7 +265,10 @@ def main():
         for _ in range(args.rounds):
             for label, ranks, worker_args, env in trees:
                 common = ["--workload", workload, "--epochs", str(args.epochs), "--recompute", args.recompute]
-                speeds[label].append(launch(ranks, *worker_args, *common, env=env or {"PYTHONPATH": mine}))
+                torch_python = args.torch_python if label.startswith(TORCH) else None
+                speeds[label].append(
+                    launch(ranks, *worker_args, *common, env=env or {"PYTHONPATH": mine}, torch_python=torch_python)
+                )
         median = {label: statistics.median(values) for label, values in speeds.items()}
         print_table(workload, spec, {k: v for k, v in median.items() if not k.endswith(" [other]")})
         if args.compare_tree:
@@ -264,6 +297,15 @@ def print_table(workload: str, spec: dict, median: dict) -> None:
             ideal = ranks * m / (m + ranks - 1) * one_core
             efficiency = f"{100 * speed / ideal:9.1f}%"
         print(f"{label:<36} {speed:10.1f} {1000 * batch / speed:8.2f} {speed / baseline:7.2f} {efficiency:>10}")
+    torch_rows = {label[len(TORCH) :]: speed for label, speed in median.items() if label.startswith(TORCH)}
+    if torch_rows:
+        print("two ranks against torch's pipelining of the same split, the same schedule and m, in this run:")
+        for name, theirs in torch_rows.items():
+            ours = median.get(f"PipelineModel 2 ranks {name}")
+            if ours:
+                print(f"  {name:<12} {ours:8.1f} vs {theirs:8.1f} samples/s: {ours / theirs:5.2f}x")
+        best = max(v for k, v in median.items() if k.startswith("PipelineModel 2 ranks"))
+        print(f"  fastest two-rank PipelineModel against the fastest torch row: {best / max(torch_rows.values()):.2f}x")
     sys.stdout.flush()
 
 
