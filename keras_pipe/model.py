@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat, compile_checks
-from keras_pipe import cut as cuts
+from keras_pipe import summary as summaries
 from keras_pipe import weights as _weights
 from keras_pipe.building import ModelBuilding
 from keras_pipe.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
@@ -433,59 +433,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self.build()
         if self.engine.world.rank != 0:
             return
-        replicas = f" x {self.num_replicas} replicas" if self.num_replicas > 1 else ""
-        chunks = self.engine.num_chunks
-        chunked = f" of {chunks} chunks each ({self.num_stages * chunks} virtual stages)" if chunks > 1 else ""
-        print_fn(
-            f'PipelineModel "{self.name}": {self.num_stages} stages{chunked}{replicas}, '
-            f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
-        )
-        if self.engine.picker is not None:
-            print_fn("Schedule " + self.engine.picker.describe())
-        for line in summary_lines(self.engine):
+        for line in summaries.describe(self.engine, self.name):
             print_fn(line)
-        if self.num_stages > 1:
-            print_fn("Crossings:")
-            for line in cuts.describe(self.engine.cut):
-                print_fn("  " + line)
-        if self.engine.world.size > 1:
-            print_fn("Ranks:")
-            for line in self.engine.layout.describe():
-                print_fn("  " + line)
-
-
-def summary_lines(engine) -> list[str]:
-    """A table of every node with its stage, output shape and parameters, and the parameters per stage."""
-    the_cut, model_graph = engine.cut, engine.graph
-    rows = [("Layer (type)", "Stage", "Output Shape", "Param #")]
-    per_stage = []
-    counted = set()
-    for stage in the_cut.stages:
-        params = 0
-        for n in stage.nodes:
-            node = the_cut.graph.nodes[n]
-            shapes = [the_cut.graph.tensors[t].shape for t in node.outputs]
-            shape = str(shapes[0]) if len(shapes) == 1 else str(tuple(shapes))
-            count = 0
-            if node.unit is not None and node.unit not in counted:
-                counted.add(node.unit)
-                count = int(sum(np.prod(w.shape, dtype=np.int64) for w in model_graph.units[node.unit].weights))
-            params += count
-            where = str(stage.index)
-            if engine.num_chunks > 1:  # (a virtual stage, and the rank that holds it)
-                where += f" (rank {engine.virtual_ranks[stage.index]})"
-            rows.append((f"{node.name} ({node.kind})", where, shape, f"{count:,}"))
-        per_stage.append(params)
-    widths = [max(len(row[c]) for row in rows) for c in range(4)]
-    rule = "-" * (sum(widths) + 6)
-    lines = [rule]
-    for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if i == 0:
-            lines.append(rule)
-    lines += [rule, f"Total params: {sum(per_stage):,}"]
-    lines.append("Params per stage: " + ", ".join(f"{s}: {n:,}" for s, n in enumerate(per_stage)))
-    return lines
 
 
 def _as_numpy(value):
