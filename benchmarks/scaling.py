@@ -17,9 +17,9 @@ then fits the cost model's constants (keras_pipe/cost.py) on this machine
 from separate one-rank, one-thread runs and MPI micro-benchmarks, and prints
 its prediction beside each measurement:
 
-  c, o + g P   per micro-batch forward+backward time at b = 64 and 16 samples (line through 2 points)
+  c, o + g P   per micro-batch forward + input-gradient time at b = 64 and 16 samples (line through 2 points)
   o            the same for a model of the same depth and width 8 (launching the calls)
-  u P          the optimizer update's time
+  u P          the batched weight gradients and the update (one program a step)
   h            the rest of a step (step time - forward+backward - update)
   a, bw_p2p    ping-pong of 8 bytes and of 16 MB between 2 ranks
   bw_ar        all-reduce of the model's gradient size over 2 ranks
@@ -243,9 +243,11 @@ def fit_machine(calibration: dict, links: dict):
     """Cost-model constants from the one-rank calibration runs and the link micro-benchmarks.
 
     ``c`` and the fixed per-micro-batch cost from the line through m = 1 and
-    m = 4; of the fixed cost, ``o`` is what a model of the same depth but
-    width 8 pays (launching the calls), the rest ``g P`` (the gradient's
-    writes, which a stage pays for its own weights only).
+    m = 4 of the forward + input gradient spans; of the fixed cost, ``o`` is
+    what a model of the same depth but width 8 pays (launching the calls),
+    the rest ``g P`` (the weights each micro-batch's thin products read
+    again, which a stage pays for its own weights only). ``u P`` is the
+    batched weight gradients with the update, one program a step.
     """
     from keras_pipe.cost import Machine
 

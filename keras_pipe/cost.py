@@ -9,11 +9,12 @@ With ``W = S x R`` ranks (``S`` stages, ``R`` replicas), a global batch of
 
     T = (m + S - 1) * t_slot  +  T_allreduce  +  T_update  +  h
 
-* ``t_slot``, one micro-batch on one stage, forward and backward:
+* ``t_slot``, one micro-batch on one stage, its forward and input gradient:
   ``b * c / S`` compute (``b = B / (R m)`` samples, ``c`` seconds per sample
   for the whole model on one rank) ``+ o + g * P / S`` (a fixed cost per
-  micro-batch and the weight gradient of the stage's ``P / S`` parameters
-  written and accumulated once per micro-batch) ``+ 2 (a + b * A / bw_p2p)``
+  micro-batch, and the work proportional to the stage's ``P / S`` weights
+  that each micro-batch pays again: its thin matrix products read every
+  weight for ``b`` rows) ``+ 2 (a + b * A / bw_p2p)``
   when ``S > 1`` (activation forward and gradient back, ``A`` bytes per
   sample at a stage boundary). The ``m + S - 1`` slots are the pipeline's
   fill, steady state and drain: the bubble is ``(S - 1) / (m + S - 1)``.
@@ -21,7 +22,9 @@ With ``W = S x R`` ranks (``S`` stages, ``R`` replicas), a global batch of
   ``2 (R - 1) / R * 4 P / S / bw_ar + 2 (R - 1) a_ar``; it overlaps the
   backward of earlier stages except on the first stage, which finishes
   last, so it counts once.
-* ``T_update``, the optimizer on the stage's weights: ``u * P / S``.
+* ``T_update``, once a step: the stage's weight gradients over the batch
+  (the split backward's batched ``W``) and the optimizer update, one
+  program: ``u * P / S``.
 * ``h``, per step outside the micro-batches: the step agreement, sharing
   the logs, metrics, reading the batch.
 
@@ -58,8 +61,8 @@ class Machine:
 
     compute_s_per_sample: float  # c: forward + backward of the whole model, one sample, one rank
     microbatch_overhead_s: float = 0.0  # o: launching one micro-batch's compiled calls
-    grad_s_per_param: float = 0.0  # g: writing + accumulating one weight's gradient, per micro-batch
-    update_s_per_param: float = 0.0  # u: the optimizer update of one weight
+    grad_s_per_param: float = 0.0  # g: one weight read by a micro-batch's forward and input gradient
+    update_s_per_param: float = 0.0  # u: one weight's batched gradient and optimizer update, per step
     step_overhead_s: float = 0.0  # h: per step, outside the micro-batches (logs, agreement, data)
     p2p_latency_s: float = 20e-6  # a
     p2p_bytes_per_s: float = 5e9  # bw_p2p between a pipeline's neighbours
