@@ -28,11 +28,10 @@ import os
 import statistics
 import time
 
-# The workloads of throughput.py this script can run (the chain it names "balanced").
-CHAINS = {
-    "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32),
-    "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12),
-}
+from throughput import WORKLOADS  # (only the standard library at import: torch's interpreter runs it)
+
+# The workloads of throughput.py this script can run: the chain it splits into two equal stages.
+CHAINS = {name: spec for name, spec in WORKLOADS.items() if name.startswith("balanced")}
 
 
 def launcher_rank_and_size() -> tuple[int, int]:
