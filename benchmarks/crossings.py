@@ -3,10 +3,10 @@
 Run as ``mpirun -n 3 python benchmarks/crossings.py``. Rank 0 sends a tensor
 that rank 2 reads (a skip edge over stage 1, or a model input such as a
 padding mask that a later block reads), once per micro-batch, through
-keras_pipe's :class:`~keras_pipe.comm.Communicator` (non-blocking sends,
+keras_pipe's :class:`~keras_pipe.mpi.comm.Communicator` (non-blocking sends,
 polling receives), both ways, alternated over several rounds:
 
-- ``direct``: rank 0 sends to rank 2 (what :mod:`keras_pipe.links` does);
+- ``direct``: rank 0 sends to rank 2 (what :mod:`keras_pipe.engine.links` does);
 - ``relay``: rank 0 sends to rank 1, which receives it whole and sends it on
   to rank 2 (what a chain-only pipeline must do).
 
@@ -23,7 +23,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from keras_pipe.comm import Communicator
+from keras_pipe.mpi.comm import Communicator
 
 TAG = 77
 

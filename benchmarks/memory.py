@@ -73,7 +73,7 @@ def worker(
     import keras
     import numpy as np
 
-    from keras_pipe.comm import Communicator
+    from keras_pipe.mpi.comm import Communicator
 
     comm = Communicator()
     layers = [keras.Input((width,))] + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]

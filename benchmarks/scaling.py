@@ -13,7 +13,7 @@ epochs, the first epoch excluded), measures
 (the 2-rank rows are the best of 2 launches: now and then a whole launch on
 this machine runs at half speed, whatever the configuration),
 
-then fits the cost model's constants (keras_pipe/cost.py) on this machine
+then fits the cost model's constants (keras_pipe/schedules/cost.py) on this machine
 from separate one-rank, one-thread runs and MPI micro-benchmarks, and prints
 its prediction beside each measurement:
 
@@ -102,7 +102,7 @@ def links_worker(args):
     import numpy as np
     from mpi4py import MPI
 
-    from keras_pipe.comm import Communicator
+    from keras_pipe.mpi.comm import Communicator
 
     comm = Communicator(MPI.COMM_WORLD)
     result = {}
@@ -154,7 +154,7 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return links_worker(args) if args.kind == "links" else worker(args)
-    from keras_pipe.cost import Workload, estimate
+    from keras_pipe.schedules.cost import Workload, estimate
 
     epochs = "2" if args.quick else str(args.epochs)
     models = ["mlp-2048x4"] if args.quick else args.models
@@ -249,7 +249,7 @@ def fit_machine(calibration: dict, links: dict):
     again, which a stage pays for its own weights only). ``u P`` is the
     batched weight gradients with the update, one program a step.
     """
-    from keras_pipe.cost import Machine
+    from keras_pipe.schedules.cost import Machine
 
     full, quarter, tiny = calibration["full"], calibration["quarter"], calibration["tiny"]
     c = (full["forward+backward"] - quarter["forward+backward"]) / (BATCH - BATCH // 4)

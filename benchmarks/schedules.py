@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-from keras_pipe.schedule import max_held, one_f_one_b, zero_bubble_h1
-from keras_pipe.simulator import bubble, durations_of, gantt, makespan
-from keras_pipe.virtual import interleaved_one_f_one_b, loop_placement, v_placement
-from keras_pipe.zero_bubble import zero_bubble_v
+from keras_pipe.schedules.schedule import max_held, one_f_one_b, zero_bubble_h1
+from keras_pipe.schedules.simulator import bubble, durations_of, gantt, makespan
+from keras_pipe.schedules.virtual import interleaved_one_f_one_b, loop_placement, v_placement
+from keras_pipe.schedules.zero_bubble import zero_bubble_v
 
 
 def durations(ticks: int) -> dict:
@@ -37,8 +37,8 @@ def report(p: int, m: int) -> str:
     lines = [
         f"# Schedules on the simulator's clock: {p} ranks, {m} micro-batches",
         "",
-        "Made by `python benchmarks/schedules.py` from `keras_pipe.schedule`, `keras_pipe.virtual` and",
-        "`keras_pipe.simulator`: the same plain data the executor walks. A whole stage's forward (F), input",
+        "Made by `python benchmarks/schedules.py` from `keras_pipe.schedules` (`schedule`, `virtual` and",
+        "`simulator`): the same plain data the executor walks. A whole stage's forward (F), input",
         "gradient (I) and weight gradient (W) take 2 ticks each (B = I + W); with two chunks a rank each",
         "chunk's take 1, chunk 1 in lower case; `.` is a tick the rank waits. Memory: the most micro-batches",
         "a rank holds from its forward to its weight gradient, in whole-stage micro-batches (chunks count",

@@ -11,7 +11,7 @@ epoch, 3 epochs), records every step's spans (forward, backward, all-reduce,
 optimizer, ...) after the first epoch and prints, per rank, the milliseconds
 per step of each kind and the throughput. ``--collective-spin S`` sets how
 long the gradient all-reduce polls before it starts sleeping
-(``keras_pipe.comm.COLLECTIVE_SPIN_S``; 0 sleeps at once); ``--no-gc`` turns
+(``keras_pipe.mpi.comm.COLLECTIVE_SPIN_S``; 0 sleeps at once); ``--no-gc`` turns
 Python's garbage collector off. ``--workload balanced-b64`` trains
 ``throughput.py``'s balanced chain (1024 -> 8 x Dense(1024), batch 64)
 instead of ``--model``; ``--jit False`` compiles with
@@ -43,7 +43,7 @@ from throughput import (  # noqa: E402
     make_data,
 )
 
-import keras_pipe.comm  # noqa: E402
+import keras_pipe.mpi.comm  # noqa: E402
 from keras_pipe import PipelineModel  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def main():
     parser.add_argument("--jit", default="auto", choices=("auto", "True", "False"), help="compile(jit_compile=)")
     args = parser.parse_args()
     if args.collective_spin is not None:
-        keras_pipe.comm.COLLECTIVE_SPIN_S = args.collective_spin
+        keras_pipe.mpi.comm.COLLECTIVE_SPIN_S = args.collective_spin
     if args.no_gc:
         gc.disable()
     batch, steps, chain = BATCH, STEPS_PER_EPOCH, dict(MODELS[args.model], features=784)

@@ -108,7 +108,7 @@ def worker(args):
     x, y = make_data(n, spec["features"])
     layers = build_layers(spec["width"], spec["depth"], spec["features"])
     if args.kind == "sequential" and args.autotune == "off":
-        from keras_pipe.datasets import DatasetStrategy
+        from keras_pipe.model.datasets import DatasetStrategy
 
         class Untuned(keras.Sequential):
             @property

@@ -16,7 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_pipe import PipelineModel  # noqa: E402
-from keras_pipe.timeline import PipelineTimeline  # noqa: E402
+from keras_pipe.engine.timeline import PipelineTimeline  # noqa: E402
 
 
 def main():

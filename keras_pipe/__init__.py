@@ -4,25 +4,23 @@ Write a model as a list of layers, run the script under ``mpirun -n P``,
 and each rank trains one contiguous stage of it.
 
 The public API is what this module exports (``__all__``), plus
-``keras_pipe.timeline.PipelineTimeline``, ``keras_pipe.tracing``,
-``keras_pipe.schedule`` (schedules as plain data), ``keras_pipe.layout`` and
-``keras_pipe.cost`` (planning without MPI). Modules whose docstring starts
+``keras_pipe.engine.timeline.PipelineTimeline``, ``keras_pipe.engine.tracing``,
+``keras_pipe.schedules.schedule`` (schedules as plain data), ``keras_pipe.mpi.layout`` and
+``keras_pipe.schedules.cost`` (planning without MPI). Modules whose docstring starts
 with "Internal:" may change in any release.
 
 Importing keras_pipe communicates with no other rank (see
-:mod:`keras_pipe.runtime`). Run a script as ``mpirun -n P python -m
+:mod:`keras_pipe.mpi.runtime`). Run a script as ``mpirun -n P python -m
 keras_pipe train.py`` to have MPI started, and a failure on any rank end the
 job, before the script's first line (see :mod:`keras_pipe.__main__`).
 """
 
 # First, before TensorFlow (whose import may fail on a broken host): MPI, and the hook that makes
 # an uncaught error on one rank end the whole job. Neither communicates.
-from keras_pipe.failure import install_excepthook as _install_excepthook
+from keras_pipe.mpi.failure import install_excepthook as _install_excepthook
 
 _install_excepthook()
 
-from keras_pipe.batchnorm import DeferredBatchNormalization  # noqa: E402
-from keras_pipe.devices import try_configure_gpus as _configure_gpus  # noqa: E402
 from keras_pipe.errors import (  # noqa: E402
     CollectiveError,
     PipelineConfigError,
@@ -30,10 +28,12 @@ from keras_pipe.errors import (  # noqa: E402
     PipelineStallError,
     RankMismatchError,
 )
-from keras_pipe.graph import unallocated  # noqa: E402
-from keras_pipe.loading import load_model  # noqa: E402
-from keras_pipe.model import PipelineModel  # noqa: E402
-from keras_pipe.runtime import init  # noqa: E402
+from keras_pipe.graph.graph import unallocated  # noqa: E402
+from keras_pipe.model.loading import load_model  # noqa: E402
+from keras_pipe.model.model import PipelineModel  # noqa: E402
+from keras_pipe.mpi.devices import try_configure_gpus as _configure_gpus  # noqa: E402
+from keras_pipe.mpi.runtime import init  # noqa: E402
+from keras_pipe.stage.batchnorm import DeferredBatchNormalization  # noqa: E402
 
 # Before the script creates any tensor: TensorFlow's pools can only be sized,
 # and its GPUs chosen, before its first op; and from here on an uncaught

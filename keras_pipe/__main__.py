@@ -1,7 +1,7 @@
 """``python -m keras_pipe script.py [args]``: a script run with MPI started and failures handled before its first line.
 
 Under ``mpirun -n P python -m keras_pipe train.py`` every rank starts MPI and
-installs keras_pipe's failure hook (see :mod:`keras_pipe.failure`) before
+installs keras_pipe's failure hook (see :mod:`keras_pipe.mpi.failure`) before
 ``train.py`` runs: an error anywhere in the script, its first line
 included, ends the whole job within seconds, naming the rank. Run as plain
 ``python train.py``, a rank that fails before it starts MPI (before

@@ -3,7 +3,7 @@
 A :class:`CollectiveError` is raised alike on every rank (a bad option, a
 disagreement every rank has found, a file rank 0 could not read): each rank
 reports it and exits normally. Any other exception on one rank ends the
-whole job (see :mod:`keras_pipe.failure`).
+whole job (see :mod:`keras_pipe.mpi.failure`).
 """
 
 

@@ -1,12 +1,12 @@
-"""schedule="auto" (keras_pipe.auto): which steps time which candidate, and one pick from every rank's times."""
+"""schedule="auto" (schedules/auto.py): which steps time which candidate, and one pick from every rank's times."""
 
 import doctest
 
 import pytest
 
-from keras_pipe import auto, schedule
-from keras_pipe.auto import CANDIDATES, SchedulePicker, simulated_bubble
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.schedules import auto, schedule
+from keras_pipe.schedules.auto import CANDIDATES, SchedulePicker, simulated_bubble
 
 
 def _run(picker, seconds_of):

@@ -14,10 +14,10 @@ import pytest
 from mpi import run_mpi
 from test_executor import FakeCompute, FakeLinks, Status, training_batch
 
-from keras_pipe.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
+from keras_pipe.engine.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
+from keras_pipe.engine.executor import Executor
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.executor import Executor
-from keras_pipe.schedule import check_chunks, default_chunks, make_schedule, placement
+from keras_pipe.schedules.schedule import check_chunks, default_chunks, make_schedule, placement
 
 
 class RecordingComm:
@@ -88,7 +88,7 @@ def _run_two_chunks(optimizer, fusable: bool):
     m = 2
     batch = training_batch(m, optimizer)
     updates = []
-    import keras_pipe.step_end as step_end_module
+    import keras_pipe.engine.step_end as step_end_module
 
     original = step_end_module.apply_together
     step_end_module.apply_together = lambda computes, optimizer, grads, scale: updates.append(len(computes))

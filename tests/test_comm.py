@@ -20,7 +20,7 @@ def test_waiting_ten_seconds_costs_well_under_a_second_of_cpu():
 
 def test_the_stall_timeout_from_the_environment_is_checked_naming_the_variable():
     from keras_pipe.errors import PipelineConfigError
-    from keras_pipe.stall import DEFAULT_STALL_TIMEOUT, stall_timeout_from_env
+    from keras_pipe.mpi.stall import DEFAULT_STALL_TIMEOUT, stall_timeout_from_env
 
     assert stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "30"}) == 30.0
     assert stall_timeout_from_env(environ={"KERAS_PIPE_STALL_TIMEOUT": "inf"}) == float("inf")
@@ -33,6 +33,6 @@ def test_the_stall_timeout_from_the_environment_is_checked_naming_the_variable()
 def test_examples():
     import doctest
 
-    from keras_pipe import stall
+    from keras_pipe.mpi import stall
 
     assert doctest.testmod(stall).failed == 0

@@ -4,8 +4,9 @@ import doctest
 
 import pytest
 
-from keras_pipe import cost, layout
-from keras_pipe.cost import Machine, Workload, choose_num_stages, estimate, layouts
+from keras_pipe.mpi import layout
+from keras_pipe.schedules import cost
+from keras_pipe.schedules.cost import Machine, Workload, choose_num_stages, estimate, layouts
 
 
 @pytest.mark.parametrize("module", [cost, layout])

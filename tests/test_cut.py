@@ -2,7 +2,8 @@
 
 import pytest
 
-from keras_pipe.cut import (
+from keras_pipe.errors import PipelineConfigError
+from keras_pipe.graph.cut import (
     Graph,
     Node,
     Tensor,
@@ -13,7 +14,6 @@ from keras_pipe.cut import (
     describe,
     sizes_before,
 )
-from keras_pipe.errors import PipelineConfigError
 
 
 def skip_graph():

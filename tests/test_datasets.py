@@ -7,7 +7,8 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
-from keras_pipe import PipelineModel, datasets
+from keras_pipe import PipelineModel
+from keras_pipe.model import datasets
 
 
 def test_the_docstring_examples():

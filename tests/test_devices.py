@@ -2,8 +2,8 @@
 
 import pytest
 
-from keras_pipe.devices import choose_gpu, local_rank_from_environment
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.mpi.devices import choose_gpu, local_rank_from_environment
 
 
 def test_each_rank_of_a_host_gets_a_gpu_of_its_own():
@@ -39,7 +39,7 @@ def test_the_local_rank_comes_from_the_launcher():
 def test_examples():
     import doctest
 
-    from keras_pipe import devices, files
+    from keras_pipe.mpi import devices, files
 
     for module in (devices, files):
         assert doctest.testmod(module).failed == 0, module.__name__

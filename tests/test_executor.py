@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from keras_pipe.executor import Batch, Executor
-from keras_pipe.schedule import gpipe, make_schedule
-from keras_pipe.step_end import clip_scale, whole_model_scale
+from keras_pipe.engine.executor import Batch, Executor
+from keras_pipe.engine.step_end import clip_scale, whole_model_scale
+from keras_pipe.schedules.schedule import gpipe, make_schedule
 
 
 class FakeGradients:
@@ -233,6 +233,6 @@ def test_the_whole_models_gradient_scale():
 def test_examples():
     import doctest
 
-    from keras_pipe import step_end
+    from keras_pipe.engine import step_end
 
     assert doctest.testmod(step_end).failed == 0

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from keras_pipe.files import atomic_path, describe_unreadable, partial_path, suffix_of
+from keras_pipe.mpi.files import atomic_path, describe_unreadable, partial_path, suffix_of
 
 
 def test_the_partial_file_keeps_the_suffix_keras_reads_the_format_from():

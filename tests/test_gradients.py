@@ -3,8 +3,8 @@
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.gradients import GradientSum
-from keras_pipe.programs import Program
+from keras_pipe.stage.gradients import GradientSum
+from keras_pipe.stage.programs import Program
 
 
 class _Programs:

@@ -8,9 +8,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from keras_pipe import compat, graph, unallocated  # noqa: E402
-from keras_pipe.cut import cut  # noqa: E402
+from keras_pipe import compat, unallocated  # noqa: E402
 from keras_pipe.errors import PipelineConfigError  # noqa: E402
+from keras_pipe.graph import graph  # noqa: E402
+from keras_pipe.graph.cut import cut  # noqa: E402
 
 
 def seed_layers():

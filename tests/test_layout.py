@@ -3,8 +3,8 @@
 import pytest
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.layout import Layout
-from keras_pipe.microbatch import replica_bounds
+from keras_pipe.mpi.layout import Layout
+from keras_pipe.stage.microbatch import replica_bounds
 
 
 def test_block_placement_is_replica_times_stages_plus_stage():

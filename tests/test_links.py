@@ -4,8 +4,8 @@ import numpy as np
 import tensorflow as tf
 from ml_dtypes import bfloat16
 
-from keras_pipe.comm import aligned_empty
-from keras_pipe.links import _tensor
+from keras_pipe.engine.links import _tensor
+from keras_pipe.mpi.comm import aligned_empty
 
 
 def test_a_received_array_is_wrapped_not_copied_and_other_dtypes_are_copied():

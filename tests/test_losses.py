@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_pipe import compat  # noqa: E402
-from keras_pipe.losses import reduce_with_divisor  # noqa: E402
+from keras_pipe.stage.losses import reduce_with_divisor  # noqa: E402
 
 rng = np.random.default_rng(0)
 y_true = rng.integers(0, 4, size=(8, 5))

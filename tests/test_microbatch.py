@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keras_pipe.microbatch import microbatch_bounds, microbatch_sizes
+from keras_pipe.stage.microbatch import microbatch_bounds, microbatch_sizes
 
 
 def test_uneven_sizes_as_documented():

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from keras_pipe import PipelineModel
-from keras_pipe.programs import Program
+from keras_pipe.stage.programs import Program
 
 
 def _rss_mib() -> float:

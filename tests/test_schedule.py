@@ -3,7 +3,7 @@
 import pytest
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedule import (
+from keras_pipe.schedules.schedule import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -23,7 +23,7 @@ from keras_pipe.schedule import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from keras_pipe.simulator import DURATIONS, format_schedule, makespan, simulate
+from keras_pipe.schedules.simulator import DURATIONS, format_schedule, makespan, simulate
 
 
 def test_one_f_one_b_matches_the_diagram():
@@ -241,7 +241,7 @@ def test_unknown_schedule():
 def test_the_docstring_examples():
     import doctest
 
-    from keras_pipe import schedule, simulator
+    from keras_pipe.schedules import schedule, simulator
 
     for module in (schedule, simulator):
         assert doctest.testmod(module).failed == 0, module.__name__

@@ -13,7 +13,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from keras_pipe import PipelineModel, update  # noqa: E402
+from keras_pipe import PipelineModel  # noqa: E402
+from keras_pipe.stage import update  # noqa: E402
 
 
 @pytest.mark.parametrize(

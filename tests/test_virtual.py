@@ -5,7 +5,7 @@ import random
 import pytest
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedule import (
+from keras_pipe.schedules.schedule import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -18,15 +18,15 @@ from keras_pipe.schedule import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from keras_pipe.simulator import DURATIONS, durations_of, makespan, simulate
-from keras_pipe.virtual import (
+from keras_pipe.schedules.simulator import DURATIONS, durations_of, makespan, simulate
+from keras_pipe.schedules.virtual import (
     chunked_forward_only,
     chunked_gpipe,
     interleaved_one_f_one_b,
     loop_placement,
     v_placement,
 )
-from keras_pipe.zero_bubble import zero_bubble_v
+from keras_pipe.schedules.zero_bubble import zero_bubble_v
 
 
 def _scaled(durations, chunks):
@@ -137,7 +137,7 @@ def test_a_schedule_on_the_wrong_placement_deadlocks():
 def test_the_docstring_examples():
     import doctest
 
-    from keras_pipe import virtual, zero_bubble
+    from keras_pipe.schedules import virtual, zero_bubble
 
     for module in (virtual, zero_bubble):
         assert doctest.testmod(module).failed == 0, module.__name__

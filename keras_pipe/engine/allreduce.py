@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.comm import Communicator, aligned_empty
+from keras_pipe.mpi.comm import Communicator, aligned_empty
 
 
 class ReplicaReducer:
@@ -127,7 +127,7 @@ class TiedReducer:
         """
         from mpi4py import MPI
 
-        from keras_pipe.comm import Communicator, created
+        from keras_pipe.mpi.comm import Communicator, created
 
         by_stages: dict[tuple, list[str]] = {}
         for unit, stages in sorted(cut.shared.items()):

@@ -2,7 +2,7 @@
 
 With ``num_chunks = v`` the model is cut into ``V = P * v`` virtual stages
 and rank ``r`` holds ``v`` of them (its *chunks*), as the schedule's
-placement says (:mod:`keras_pipe.virtual`)::
+placement says (:mod:`keras_pipe.schedules.virtual`)::
 
     # interleaved 1F1B, 2 ranks, 2 chunks (loop placement):  rank 0: 0, 2   rank 1: 1, 3
     # ZB-V, 2 ranks (V placement, the loss on rank 0):       rank 0: 0, 3   rank 1: 1, 2
@@ -55,7 +55,7 @@ class ChunkComm:
     """The pipeline's communicator as one virtual stage's links see it: a rank is a virtual stage.
 
     Args:
-        comm: the pipeline's :class:`~keras_pipe.comm.Communicator`.
+        comm: the pipeline's :class:`~keras_pipe.mpi.comm.Communicator`.
         ranks: each virtual stage's rank in ``comm``.
         me: this chunk's virtual stage.
     """

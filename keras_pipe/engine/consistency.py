@@ -17,8 +17,8 @@ import json
 import numpy as np
 
 from keras_pipe import compat
-from keras_pipe.comm import Communicator
 from keras_pipe.errors import RankMismatchError
+from keras_pipe.mpi.comm import Communicator
 
 PHASES = {"train": 1, "test": 2, "predict": 3, "end": 4}
 _PHASE_NAMES = {code: name for name, code in PHASES.items()}

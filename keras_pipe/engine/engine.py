@@ -1,11 +1,11 @@
 """Internal: the pipeline under one ``PipelineModel`` — topology, cut, stage, steps, logs.
 
 The engine owns everything that spans ranks: the communicators and the
-layout (:mod:`keras_pipe.topology`), the model's graph and its cut
-(:mod:`keras_pipe.graph`, :mod:`keras_pipe.cut`), this rank's stage
+layout (:mod:`keras_pipe.mpi.topology`), the model's graph and its cut
+(:mod:`keras_pipe.graph.graph`, :mod:`keras_pipe.graph.cut`), this rank's stage
 (compute, links, executor), the per-step agreement and the log sharing;
-the actions it runs (:mod:`keras_pipe.stage_actions`) and the targets and
-predictions it exchanges (:mod:`keras_pipe.predictions`) are its mixins.
+the actions it runs (:mod:`keras_pipe.engine.stage_actions`) and the targets and
+predictions it exchanges (:mod:`keras_pipe.engine.predictions`) are its mixins.
 ``PipelineModel`` is a thin Keras façade over it; saving, weights, the
 timeline and the benchmarks use the engine's public attributes below, never
 the façade's private ones.
@@ -23,27 +23,28 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import cut as cuts
-from keras_pipe import graph as graphs
-from keras_pipe import probe, schedule
-from keras_pipe.allreduce import ReplicaReducer, TiedReducer
-from keras_pipe.auto import SchedulePicker
-from keras_pipe.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
-from keras_pipe.compute import Masked, StageCompute, check_recompute
-from keras_pipe.consistency import StepAgreement
-from keras_pipe.devices import check_all_ranks, try_configure_gpus
+from keras_pipe.engine import probe
+from keras_pipe.engine.allreduce import ReplicaReducer, TiedReducer
+from keras_pipe.engine.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
+from keras_pipe.engine.consistency import StepAgreement
+from keras_pipe.engine.executor import Batch, Executor, rows
+from keras_pipe.engine.links import Links
+from keras_pipe.engine.logs import LogSharing
+from keras_pipe.engine.predictions import PredictionExchange
+from keras_pipe.engine.profile import balance_by_time
+from keras_pipe.engine.stage_actions import StageActions
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.executor import Batch, Executor, rows
-from keras_pipe.links import Links
-from keras_pipe.logs import LogSharing
-from keras_pipe.losses import divisor_shares
-from keras_pipe.microbatch import microbatch_bounds, replica_bounds
-from keras_pipe.predictions import PredictionExchange
-from keras_pipe.profile import balance_by_time
-from keras_pipe.runtime import init, start_entry_agreement
-from keras_pipe.stage_actions import StageActions
-from keras_pipe.threads import configure_threads
-from keras_pipe.topology import connect
+from keras_pipe.graph import cut as cuts
+from keras_pipe.graph import graph as graphs
+from keras_pipe.mpi.devices import check_all_ranks, try_configure_gpus
+from keras_pipe.mpi.runtime import init, start_entry_agreement
+from keras_pipe.mpi.threads import configure_threads
+from keras_pipe.mpi.topology import connect
+from keras_pipe.schedules import schedule
+from keras_pipe.schedules.auto import SchedulePicker
+from keras_pipe.stage.compute import Masked, StageCompute, check_recompute
+from keras_pipe.stage.losses import divisor_shares
+from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
 
 
 class Engine(StageActions, PredictionExchange):
@@ -52,7 +53,7 @@ class Engine(StageActions, PredictionExchange):
     Public attributes: ``world``, ``pipeline`` and ``replicas`` (the
     communicators), ``layout``, ``stage``/``replica`` (this rank's place),
     ``num_stages``/``num_replicas``, ``num_microbatches``, ``schedule``, and
-    once built ``graph`` (the model's :class:`~keras_pipe.graph.ModelGraph`),
+    once built ``graph`` (the model's :class:`~keras_pipe.graph.graph.ModelGraph`),
     ``cut``, ``balance``, ``compute`` (this stage) and ``executor``.
     """
 
@@ -98,7 +99,7 @@ class Engine(StageActions, PredictionExchange):
         self.balance_option = balance
         self.split_before = list(split_before) if split_before is not None else None
         # Several chunks a rank: the model is cut into num_stages * num_chunks virtual stages, placed as
-        # the schedule says (keras_pipe.chunks); the first is always on the first rank, the last not
+        # the schedule says (keras_pipe.engine.chunks); the first is always on the first rank, the last not
         # always on the last (ZB-V's V ends where it began).
         self.num_chunks = num_chunks
         self.placement = schedule.placement(schedule_name, self.num_stages, num_chunks)
@@ -317,7 +318,7 @@ class Engine(StageActions, PredictionExchange):
 
     @property
     def tracer(self):
-        """The :class:`~keras_pipe.tracing.Tracer` the executor reports spans to (``None``: no tracing)."""
+        """The :class:`~keras_pipe.engine.tracing.Tracer` the executor reports spans to (``None``: no tracing)."""
         return self._tracer
 
     @tracer.setter

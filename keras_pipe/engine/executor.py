@@ -1,11 +1,11 @@
 """Internal: walking one stage's schedule for one batch.
 
-The executor takes the stage's list of actions (:mod:`keras_pipe.schedule`)
+The executor takes the stage's list of actions (:mod:`keras_pipe.schedules.schedule`)
 and, for each, receives what the action needs from the other stages
-(:class:`~keras_pipe.links.Links`), runs it (:class:`~keras_pipe.compute.
+(:class:`~keras_pipe.engine.links.Links`), runs it (:class:`~keras_pipe.stage.compute.
 StageCompute`) and sends what it produced. It is the only place that knows
 both, and it reports every span to the tracer. After the actions, it ends
-the step (:mod:`keras_pipe.step_end`): weight regularization, the sums over replicas and over the stages
+the step (:mod:`keras_pipe.engine.step_end`): weight regularization, the sums over replicas and over the stages
 that hold one weight, the update::
 
     # 1F1B with a split backward, 2 stages, 4 micro-batches, activations small beside the weights:
@@ -15,7 +15,7 @@ that hold one weight, the update::
     # stage 0: F0 F1 I0 W0 F2 I1 W1 F3 I2 I3 W2-3 [update]
     # stage 1:    FI0 W0 FI1 W1 FI2 W2 FI3 W3 [update]
 
-A rank that holds several virtual stages (:mod:`keras_pipe.chunks`) has one
+A rank that holds several virtual stages (:mod:`keras_pipe.engine.chunks`) has one
 compute and one set of links a chunk; each action names its chunk, and the
 step still ends with one optimizer step (each chunk's last ``W`` updating
 its own weights where the optimizer allows, one of them counting the step)::
@@ -40,9 +40,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.chunks import Chunk
-from keras_pipe.schedule import Action, Kind
-from keras_pipe.step_end import StepEnd, loss_scale
+from keras_pipe.engine.chunks import Chunk
+from keras_pipe.engine.step_end import StepEnd, loss_scale
+from keras_pipe.schedules.schedule import Action, Kind
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Batch:
     global batch of ``batch_size`` rows; ``x`` (the model inputs, a list) is
     read by the first stage, ``y`` and ``sample_weight`` by the last.
     ``shares[i, k]``: micro-batch ``i``'s share of loss term ``k``'s divisor
-    (see :mod:`keras_pipe.losses`), ``term_weights`` the terms' ``loss_weights``.
+    (see :mod:`keras_pipe.stage.losses`), ``term_weights`` the terms' ``loss_weights``.
     """
 
     phase: str  # "train", "test" or "predict"
@@ -89,8 +89,8 @@ class Executor(StepEnd):
     """Runs a stage's actions for a batch: receive, compute, send, trace.
 
     Args:
-        compute: the stage's :class:`~keras_pipe.compute.StageCompute`.
-        links: its :class:`~keras_pipe.links.Links` (``None`` with one stage).
+        compute: the stage's :class:`~keras_pipe.stage.compute.StageCompute`.
+        links: its :class:`~keras_pipe.engine.links.Links` (``None`` with one stage).
         reducer: sums gradients over the stage's replicas (``None`` with one replica).
         is_first, is_last: the stage's place in the pipeline.
         status: an object whose ``doing`` attribute stall reports read (the world communicator).
@@ -98,8 +98,8 @@ class Executor(StepEnd):
         pipeline_sum: sums a float64 vector over the stages of this pipeline (the whole
             model's gradient norm, the loss scale's finiteness check); identity with one stage.
         tied: sums the gradients of weights other stages hold too (``None`` where there are none).
-        chunks: where the rank holds several virtual stages (:mod:`keras_pipe.chunks`), each one's
-            :class:`~keras_pipe.chunks.Chunk`, in the order of the actions' ``chunk``; they take the
+        chunks: where the rank holds several virtual stages (:mod:`keras_pipe.engine.chunks`), each one's
+            :class:`~keras_pipe.engine.chunks.Chunk`, in the order of the actions' ``chunk``; they take the
             place of ``compute``, ``links``, ``is_first`` and ``is_last``.
     """
 

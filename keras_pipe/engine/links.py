@@ -2,7 +2,7 @@
 
 Every point-to-point message of the pipeline goes through here, on the
 pipeline's communicator (rank = stage). Each crossing of the cut
-(:class:`keras_pipe.cut.Crossing`) is sent straight from the stage that
+(:class:`keras_pipe.graph.cut.Crossing`) is sent straight from the stage that
 computes the tensor to each stage that reads it: a skip edge over three
 stages, or a model input every block reads, costs one message per reader
 and nothing on the stages between (relaying it would cost each of them a
@@ -24,9 +24,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.comm import TAG_ACTIVATION, TAG_GRADIENT, TAG_PROBE, TAG_TARGETS, Communicator
-from keras_pipe.compute import Masked
 from keras_pipe.errors import RankMismatchError
+from keras_pipe.mpi.comm import TAG_ACTIVATION, TAG_GRADIENT, TAG_PROBE, TAG_TARGETS, Communicator
+from keras_pipe.stage.compute import Masked
 
 
 class Links:
@@ -34,7 +34,7 @@ class Links:
 
     Args:
         comm: the pipeline's communicator (rank = stage).
-        stage: this rank's :class:`~keras_pipe.cut.Stage`.
+        stage: this rank's :class:`~keras_pipe.graph.cut.Stage`.
         tensors: the graph's tensors (shapes and dtypes of what crosses).
         masks: for each tensor, the shape of the Keras mask that rides with it, or ``None``.
     """

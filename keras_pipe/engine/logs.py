@@ -18,9 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat
-from keras_pipe.comm import Communicator
-from keras_pipe.compute import Masked
-from keras_pipe.programs import Program
+from keras_pipe.mpi.comm import Communicator
+from keras_pipe.stage.compute import Masked
+from keras_pipe.stage.programs import Program
 
 
 class LogSharing:

@@ -13,12 +13,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.compute import Masked
-from keras_pipe.microbatch import replica_bounds
+from keras_pipe.stage.compute import Masked
+from keras_pipe.stage.microbatch import replica_bounds
 
 
 class PredictionExchange:
-    """:class:`~keras_pipe.engine.Engine`'s targets and predictions across ranks (its ``links``, ``replicas``...)."""
+    """The :class:`~keras_pipe.engine.engine.Engine`'s targets and predictions across ranks (its ``links``...)."""
 
     def _no_predictions(self, phase: str) -> list:
         """A replica with no share of the batch: empty predictions of the right shapes."""

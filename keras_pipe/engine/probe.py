@@ -16,7 +16,7 @@ traced call and not in an eager one), stage after stage, every crossing
 sent with its whole shape and its mask, whatever the graph says; the
 stages then share what each tensor carried.
 From then on a tensor whose mask differs from what was measured is an error
-naming it (:meth:`keras_pipe.compute.StageCompute._crossing`), never a
+naming it (:meth:`keras_pipe.stage.compute.StageCompute._crossing`), never a
 silent drop.
 """
 
@@ -25,16 +25,16 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_pipe import compat
-from keras_pipe.compute import Masked
+from keras_pipe.stage.compute import Masked
 
 
 def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = False, chunks=None) -> dict:
     """One real forward through the pipeline (collective over ``pipeline``): ``{tensor: (shape, mask shape)}``.
 
     Args:
-        stage: this rank's :class:`~keras_pipe.cut.Stage`.
+        stage: this rank's :class:`~keras_pipe.graph.cut.Stage`.
         calls: its node calls.
-        links: its :class:`~keras_pipe.links.Links` (``None`` with one stage).
+        links: its :class:`~keras_pipe.engine.links.Links` (``None`` with one stage).
         pipeline: the pipeline's communicator.
         sample: first stage: the model inputs of one micro-batch.
         eager: run the nodes op by op, as the stage's programs then run

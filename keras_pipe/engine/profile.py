@@ -19,10 +19,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import cut as cuts
-from keras_pipe import graph as graphs
-from keras_pipe.comm import Communicator
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.graph import cut as cuts
+from keras_pipe.graph import graph as graphs
+from keras_pipe.mpi.comm import Communicator
 
 # A dimension that varies from batch to batch is timed at this size.
 SAMPLE_LENGTH = 16

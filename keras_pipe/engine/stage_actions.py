@@ -1,6 +1,6 @@
 """Internal: which actions this rank runs for a batch: its stage's (or chunks') schedule, resolved once a configuration.
 
-A schedule (:mod:`keras_pipe.schedule`) is plain data for every stage; a
+A schedule (:mod:`keras_pipe.schedules.schedule`) is plain data for every stage; a
 rank runs its own row, adjusted to what its stage can do: a stage that
 cannot split its backward (a Keras mask crosses it, or it recomputes) runs
 ``B`` where the schedule says ``I`` and has no ``W``; a mean loss over a
@@ -12,11 +12,11 @@ holding a micro-batch for its ``W`` costs.
 
 from __future__ import annotations
 
-from keras_pipe import schedule
+from keras_pipe.schedules import schedule
 
 
 class StageActions:
-    """:class:`~keras_pipe.engine.Engine`'s schedule for its rank (its ``compute``, ``chunks``, ``picker``...)."""
+    """:class:`~keras_pipe.engine.engine.Engine`'s schedule for its rank (its ``compute``, ``chunks``...)."""
 
     def training_schedule(self) -> str:
         """The schedule the next training step runs: ``schedule``, or what ``"auto"`` runs or has picked."""
@@ -65,11 +65,11 @@ class StageActions:
 
         A batch that interleaved 1F1B cannot take (micro-batches not a multiple
         of the ranks: the last, short batch) and a loss over the whole batch
-        run :func:`~keras_pipe.virtual.chunked_gpipe`: the same result, GPipe's
+        run :func:`~keras_pipe.schedules.virtual.chunked_gpipe`: the same result, GPipe's
         memory. A chunk that cannot split its backward (a Keras mask crosses
         it, or it recomputes) runs ``B`` where the schedule says ``I``.
         """
-        from keras_pipe import virtual
+        from keras_pipe.schedules import virtual
 
         split = [chunk.compute.split for chunk in self.chunks]
         key = (phase, num_microbatches, tuple(split), whole_batch_loss)

@@ -23,14 +23,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.update import apply_together, separable
+from keras_pipe.stage.update import apply_together, separable
 
 if TYPE_CHECKING:
-    from keras_pipe.executor import Batch, StepResult
+    from keras_pipe.engine.executor import Batch, StepResult
 
 
 class StepEnd:
-    """The end of :class:`~keras_pipe.executor.Executor`'s step (its attributes: chunks, reducer, tied, status...)."""
+    """The end of :class:`~keras_pipe.engine.executor.Executor`'s step (its chunks, reducer, tied, status...)."""
 
     def _plan_update(self, batch: Batch) -> tuple[set, int | None]:
         """Which chunks' last ``W`` apply their update themselves, and the position of the one that counts the step.
@@ -39,7 +39,7 @@ class StepEnd:
         be summed with other ranks first (replicas, shared weights, the whole
         model's norm). With several chunks each updates its own weights, so
         only where the optimizer updates each weight from its own gradient
-        (:func:`~keras_pipe.update.separable`), and one of them, the last,
+        (:func:`~keras_pipe.stage.update.separable`), and one of them, the last,
         counts ``iterations``; a chunk without a ``W`` (its backward
         recorded) is updated at the end of the step, which then counts it.
         """

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import keras
 
-from keras_pipe.comm import Communicator
-from keras_pipe.tracing import SpanRecorder
+from keras_pipe.engine.tracing import SpanRecorder
+from keras_pipe.mpi.comm import Communicator
 
 COMPUTE = ("forward", "backward", "forward+backward", "weights")
 COLORS = {
@@ -116,7 +116,7 @@ def _theoretical_bubble(engine, m: int) -> tuple[float, str]:
         return (p - 1) / (m + p - 1), "(P - 1) / (m + P - 1)"
     if engine.schedule == "interleaved-1f1b":
         return (p - 1) / (v * m + p - 1), "(P - 1) / (v m + P - 1)"
-    from keras_pipe import schedule, simulator
+    from keras_pipe.schedules import schedule, simulator
 
     plan = schedule.make_schedule(engine.schedule, p, m, True, num_chunks=v)
     return simulator.bubble(plan, simulator.DURATIONS, engine.placement), "the simulator's, F = I = W"

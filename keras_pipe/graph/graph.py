@@ -4,7 +4,7 @@ A Functional model already is its graph (Keras' ``Node``s and
 ``KerasTensor``s): no tracer is needed. :func:`from_model` walks it in
 Keras' own execution order, expands every nested model (a backbone inside a
 task model) into its nodes, and numbers the tensors; the result is the
-plain :class:`keras_pipe.cut.Graph` every rank cuts alike, plus, per node,
+plain :class:`keras_pipe.graph.cut.Graph` every rank cuts alike, plus, per node,
 a :class:`NodeCall` that runs the Keras call on real tensors as
 ``Functional.call`` does (the same arguments, ``training`` where the
 operation takes it, Keras masks riding on the tensors). A list of layers is
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import keras
 
-from keras_pipe import compat, cut
+from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.graph import cut
 
 
 class NodeCall:

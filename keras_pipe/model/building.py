@@ -21,9 +21,9 @@ import keras
 import numpy as np
 
 from keras_pipe import compat
-from keras_pipe import graph as graphs
-from keras_pipe import weights as _weights
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.graph import graph as graphs
+from keras_pipe.model import weights as _weights
 
 
 class ModelBuilding:

@@ -21,10 +21,10 @@ import warnings
 import keras
 
 from keras_pipe import compat
-from keras_pipe.comm import Communicator
 from keras_pipe.errors import PipelineIOError
-from keras_pipe.files import copy, write_text
-from keras_pipe.saving import on_root, write_weights
+from keras_pipe.model.saving import on_root, write_weights
+from keras_pipe.mpi.comm import Communicator
+from keras_pipe.mpi.files import copy, write_text
 
 _WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
 

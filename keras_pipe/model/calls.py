@@ -1,8 +1,8 @@
 """Internal: what every ``fit``/``evaluate``/``predict`` does around Keras' own loop.
 
 Before the call, the ranks check that they all made the same call on the
-same model (:mod:`keras_pipe.consistency`), only rank 0 keeps its progress
-bar, callbacks are adapted for several ranks (:mod:`keras_pipe.callbacks`)
+same model (:mod:`keras_pipe.engine.consistency`), only rank 0 keeps its progress
+bar, callbacks are adapted for several ranks (:mod:`keras_pipe.model.callbacks`)
 and, with replicas, shuffling is seeded alike and weights are copied from
 the first replica. Each step then starts with a tiny agreement that every
 rank has a batch of the same size, and the call ends with one more.
@@ -17,16 +17,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import compat, compile_checks
-from keras_pipe import weights as _weights
-from keras_pipe.callbacks import adapt_callbacks
-from keras_pipe.consistency import (
+from keras_pipe import compat
+from keras_pipe.engine.consistency import (
     COMPARED_ARGUMENTS,
     batch_digest,
     check_same_everywhere,
     describe_argument,
     model_fingerprint,
 )
+from keras_pipe.model import compile_checks
+from keras_pipe.model import weights as _weights
+from keras_pipe.model.callbacks import adapt_callbacks
 
 
 class CallPreparation:
@@ -85,7 +86,7 @@ def python_step_function(model, step, phase: str):
     """Keras' ``train_function``/``test_function``: Python around the step, so that every step communicates.
 
     The compute inside the step runs in compiled programs (see
-    :mod:`keras_pipe.compute`). Before each step the ranks agree that all of
+    :mod:`keras_pipe.stage.compute`). Before each step the ranks agree that all of
     them have a batch of the same size.
     """
 

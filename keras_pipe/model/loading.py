@@ -5,9 +5,9 @@ from __future__ import annotations
 import keras
 
 from keras_pipe import compat
-from keras_pipe.comm import Communicator
-from keras_pipe.model import PipelineModel
-from keras_pipe.saving import ROOT, compile_whole, load_into, on_root
+from keras_pipe.model.model import PipelineModel
+from keras_pipe.model.saving import ROOT, compile_whole, load_into, on_root
+from keras_pipe.mpi.comm import Communicator
 
 
 def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline_options):

@@ -3,7 +3,7 @@
 A thin Keras façade: it does what a ``keras.Model`` does (arguments,
 ``compile``, ``fit``/``evaluate``/``predict``, the step methods, weights,
 saving, ``summary``) and hands the pipeline to its
-:class:`~keras_pipe.engine.Engine`.
+:class:`~keras_pipe.engine.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import compat, compile_checks
-from keras_pipe import summary as summaries
-from keras_pipe import weights as _weights
-from keras_pipe.building import ModelBuilding
-from keras_pipe.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
-from keras_pipe.compute import Masked
-from keras_pipe.datasets import DatasetStrategy
-from keras_pipe.engine import Engine
+from keras_pipe import compat
+from keras_pipe.engine.engine import Engine
+from keras_pipe.engine.logs import ModelLogs
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.failure import collective
-from keras_pipe.logs import ModelLogs
-from keras_pipe.losses import MicrobatchLoss
-from keras_pipe.saving import SavingMethods
+from keras_pipe.model import compile_checks
+from keras_pipe.model import summary as summaries
+from keras_pipe.model import weights as _weights
+from keras_pipe.model.building import ModelBuilding
+from keras_pipe.model.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
+from keras_pipe.model.datasets import DatasetStrategy
+from keras_pipe.model.saving import SavingMethods
+from keras_pipe.mpi.failure import collective
+from keras_pipe.stage.compute import Masked
+from keras_pipe.stage.losses import MicrobatchLoss
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
@@ -81,9 +82,9 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         split_before: instead of ``balance``, the names of the nodes that
             start the second, third, ... stage (``summary()`` lists them).
         schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"zb-h1"`` (see
-            :mod:`keras_pipe.schedule`) or ``"auto"``: the first ten training
+            :mod:`keras_pipe.schedules.schedule`) or ``"auto"``: the first ten training
             steps alternate 1F1B and ZB-H1 and time them, then every rank
-            trains on with the faster (:mod:`keras_pipe.auto`; ``summary()``
+            trains on with the faster (:mod:`keras_pipe.schedules.auto`; ``summary()``
             says which). All give the same training result. A
             model whose output carries a Keras mask, under a mean loss, trains
             in GPipe's order whatever this says (its loss is a mean over the
@@ -93,7 +94,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             in a loop, the bubble ``num_chunks`` times smaller;
             ``num_microbatches`` a multiple of the ranks) or ``"zb-v"`` (two
             chunks a rank in a V, zero-bubble, 1F1B's memory); see
-            :mod:`keras_pipe.virtual`. The model is then cut into
+            :mod:`keras_pipe.schedules.virtual`. The model is then cut into
             ``num_stages * num_chunks`` virtual stages (``balance`` lists that
             many sizes). Not yet with replicas or a weight shared between
             virtual stages (both raise).
@@ -218,7 +219,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
 
     @property
     def tracer(self):
-        """A :class:`~keras_pipe.tracing.Tracer` that receives every span of every step (``None``: off)."""
+        """A :class:`~keras_pipe.engine.tracing.Tracer` that receives every span of every step (``None``: off)."""
         return self.engine.tracer
 
     @tracer.setter

@@ -19,11 +19,11 @@ import os
 import keras
 import numpy as np
 
-from keras_pipe.comm import TAG_STATE, Communicator
 from keras_pipe.errors import PipelineIOError
-from keras_pipe.failure import collective
-from keras_pipe.files import atomic_path, describe_unreadable
-from keras_pipe.weights import copy_from_first_replica, ordered
+from keras_pipe.model.weights import copy_from_first_replica, ordered
+from keras_pipe.mpi.comm import TAG_STATE, Communicator
+from keras_pipe.mpi.failure import collective
+from keras_pipe.mpi.files import atomic_path, describe_unreadable
 
 ROOT = 0
 
@@ -273,7 +273,7 @@ def _load_pipeline(model, whole: keras.Model | None) -> None:
 
 def _json_specs(spec):
     """``(shape, dtype)`` pairs as JSON lists."""
-    from keras_pipe.building import map_specs
+    from keras_pipe.model.building import map_specs
 
     return map_specs(lambda shape, dtype: [list(shape), dtype], spec)
 
@@ -360,7 +360,7 @@ class SavingMethods:
             return cls.from_model(source, **kwargs)
         items = []
         if spec is not None:
-            from keras_pipe.building import input_of, map_specs
+            from keras_pipe.model.building import input_of, map_specs
 
             items.append(map_specs(input_of, _tuple_specs(spec)))
         return cls(items + layers, **kwargs) if items or layers else cls(**kwargs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_pipe import cut as cuts
+from keras_pipe.graph import cut as cuts
 
 
 def describe(engine, name: str) -> list[str]:

@@ -6,7 +6,7 @@ peer sends is ever unpickled. Sends are non-blocking and overlap the next
 computation. A rank that waits polls with a growing sleep instead of calling
 a blocking ``Recv``, which in MPICH spins a whole core, and gives up with a
 :class:`PipelineStallError` after ``stall_timeout`` seconds (what it answers
-and reports meanwhile: :mod:`keras_pipe.stall`).
+and reports meanwhile: :mod:`keras_pipe.mpi.stall`).
 
 Set ``KERAS_PIPE_DEBUG=1`` to print every send and receive, prefixed with the rank.
 """
@@ -24,9 +24,9 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from keras_pipe import stall
 from keras_pipe.errors import PipelineStallError
-from keras_pipe.stall import PROCESS, StallReports, check_stall_timeout, stall_timeout_from_env
+from keras_pipe.mpi import stall
+from keras_pipe.mpi.stall import PROCESS, StallReports, check_stall_timeout, stall_timeout_from_env
 
 # Message tags. MPI keeps messages of one (source, tag) pair in order, so
 # micro-batches need no tag of their own.
@@ -35,7 +35,7 @@ TAG_GRADIENT = 12
 TAG_TARGETS = 13
 TAG_STATE = 14  # weights and optimizer state on their way to or from rank 0
 TAG_PROBE = 15  # the first batch's real forward, every message describing itself (see probe.py)
-# (tags 21-24, the stall reports' and the failure checks': keras_pipe.stall)
+# (tags 21-24, the stall reports' and the failure checks': keras_pipe.mpi.stall)
 
 # Poll without sleeping this long before backing off: 2 ms where every rank
 # of the host has a core of its own (a sleep costs ~60-80 us of wake-up
@@ -347,7 +347,7 @@ def point_to_point_spin() -> float:
     """Seconds a wait polls before it sleeps (see ``_SPIN_S``)."""
     global _SPIN_S
     if _SPIN_S is None:
-        from keras_pipe.threads import cores_to_spare
+        from keras_pipe.mpi.threads import cores_to_spare
 
         _SPIN_S = 2e-3 if cores_to_spare() else 50e-6
     return _SPIN_S

@@ -106,7 +106,7 @@ def check_all_ranks(world) -> None:
 def configure_gpus(local_rank: int | None = None, local_size: int | None = None) -> None:
     """Makes this rank see only its GPU (see the module docstring); once, and only on a host with GPUs."""
     global _chosen
-    from keras_pipe.threads import ranks_on_host_from_environment
+    from keras_pipe.mpi.threads import ranks_on_host_from_environment
 
     if _chosen or _problem is not None:
         return

@@ -30,8 +30,8 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from keras_pipe import comm as _comm
-from keras_pipe import stall as _stall
+from keras_pipe.mpi import comm as _comm
+from keras_pipe.mpi import stall as _stall
 
 _installed = False
 # MPI_Abort makes the launcher kill every process at once, and Hydra may
@@ -65,7 +65,7 @@ def verify(error: BaseException) -> tuple[bool, bool]:
     completed and whether it was inside a step (messages in flight), then
     waits for each to answer. A rank that raised too announces the same; a
     rank that went on past this point answers that it did
-    (:func:`keras_pipe.stall.note_failures`), and a rank whose process is
+    (:func:`keras_pipe.mpi.stall.note_failures`), and a rank whose process is
     gone cannot answer: either way this rank's failure is its own. A rank
     that is busy computing answers when it next waits, or raises; silence
     beyond the stall timeout counts as "went on". Only a failure every rank
@@ -134,7 +134,7 @@ def collective(method):
     """Decorates a method every rank calls together: agreed on entry; an error on one rank aborts the job.
 
     On entry to the outermost collective method, the ranks compare which
-    method each called (:func:`keras_pipe.runtime.agree_on_entry`): a method
+    method each called (:func:`keras_pipe.mpi.runtime.agree_on_entry`): a method
     called on some ranks only (``if rank == 0: model.save(...)``) is an error
     at once, not a wait for the stall timeout. An error then propagates on
     every rank if every rank raised it at the same point (:func:`verify`);
@@ -145,7 +145,7 @@ def collective(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         global _depth
-        from keras_pipe.runtime import agree_on_entry
+        from keras_pipe.mpi.runtime import agree_on_entry
 
         _depth += 1
         try:

@@ -2,7 +2,7 @@
 
 Importing keras_pipe communicates with no other rank. It sizes
 TensorFlow's thread pools from the launcher's environment (see
-:mod:`keras_pipe.threads`), as that must happen before TensorFlow's first
+:mod:`keras_pipe.mpi.threads`), as that must happen before TensorFlow's first
 op. :func:`init` installs the failure hook that ends the whole job when any
 rank raises; the first ``PipelineModel`` calls it, and a script may call it
 first thing to cover its own first lines too.
@@ -17,8 +17,8 @@ import sys
 from mpi4py import MPI
 
 from keras_pipe.errors import RankMismatchError
-from keras_pipe.failure import install_excepthook
-from keras_pipe.threads import configure_threads
+from keras_pipe.mpi.failure import install_excepthook
+from keras_pipe.mpi.threads import configure_threads
 
 _entries = None  # the communicator collective methods agree on, once a model exists
 
@@ -54,7 +54,7 @@ def start_entry_agreement(world) -> None:
     if _entries is not None or world.size == 1:
         return
     # a child of the world communicator: its stall reports ask every rank there
-    from keras_pipe.comm import Communicator, created
+    from keras_pipe.mpi.comm import Communicator, created
 
     _entries = Communicator(created(world.comm.Dup()), world.stall_timeout, parent=world)
     atexit.register(_finished)
@@ -68,7 +68,7 @@ def agree_on_entry(what: str) -> None:
     called = _entries.allgather_json(what)
     if all(c == what for c in called):
         return
-    from keras_pipe.consistency import ranks_by_value
+    from keras_pipe.engine.consistency import ranks_by_value
 
     raise RankMismatchError(
         f"the ranks called different collective methods: {ranks_by_value(called)}. The methods of a "

@@ -1,6 +1,6 @@
 """Noticing a stuck or dead rank: what each process is doing, the answers other ranks ask for, the stall report.
 
-Every wait of a :class:`~keras_pipe.comm.Communicator` polls; while it waits
+Every wait of a :class:`~keras_pipe.mpi.comm.Communicator` polls; while it waits
 it answers other ranks' questions (what it is doing, whether it went on
 past a point where another rank raised) and looks for ranks of its host
 whose process has gone. A rank that waits longer than the stall timeout
@@ -86,7 +86,7 @@ def check_stall_timeout(value, name: str = "stall_timeout") -> float:
 
 
 class StallReports:
-    """What a :class:`~keras_pipe.comm.Communicator` answers and asks when a rank stalls or dies.
+    """What a :class:`~keras_pipe.mpi.comm.Communicator` answers and asks when a rank stalls or dies.
 
     Needs ``comm``, ``rank``, ``size``, ``doing``, ``_shared`` (:data:`PROCESS`)
     and ``_parent`` (the world communicator, ``None`` on the world's own).
@@ -233,7 +233,7 @@ def note_failures() -> None:
     """Takes in other ranks' failure announcements; tells each whose point this rank has passed that it went on.
 
     A rank that raised announces how many job-wide collectives it had
-    completed (:func:`keras_pipe.failure.verify`). This rank, while waiting,
+    completed (:func:`keras_pipe.mpi.failure.verify`). This rank, while waiting,
     answers "alive" once it has completed at least as many: it is past the
     point where the other raised and did not raise there, so the failure is
     that rank's alone and it ends the job. A rank still behind stays silent:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from keras_pipe.comm import Communicator
-from keras_pipe.consistency import ranks_by_value
+from keras_pipe.engine.consistency import ranks_by_value
 from keras_pipe.errors import RankMismatchError
-from keras_pipe.layout import Layout, host_name
-from keras_pipe.stall import start_timeout_from_env
+from keras_pipe.mpi.comm import Communicator
+from keras_pipe.mpi.layout import Layout, host_name
+from keras_pipe.mpi.stall import start_timeout_from_env
 
 _met = False  # whether this process's ranks have met once (the first rendezvous has its own timeout)
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import statistics
 
-from keras_pipe import schedule
-from keras_pipe.simulator import DURATIONS, bubble
+from keras_pipe.schedules import schedule
+from keras_pipe.schedules.simulator import DURATIONS, bubble
 
 CANDIDATES = ("1f1b", "zb-h1")
 WARMUP_ROUNDS = 2  # steps of each candidate before timing: tracing, the first step's W per micro-batch

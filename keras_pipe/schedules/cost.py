@@ -153,7 +153,7 @@ def choose_num_stages(
     """The fastest layout of ``ranks`` ranks whose stage fits in memory.
 
     With ``ranks_per_host``, pipelines of at most that many stages stay on
-    one host (see :mod:`keras_pipe.layout`) and use ``machine``'s links;
+    one host (see :mod:`keras_pipe.mpi.layout`) and use ``machine``'s links;
     longer pipelines use ``network``'s point-to-point figures, and replicas
     on different hosts (``R > 1`` with more than one host) use ``network``'s
     all-reduce figures.

@@ -2,8 +2,8 @@
 
 A schedule says, for each stage, in which order it runs which computation on
 which micro-batch. It holds no tensors and does no communication, so it is
-generated and checked in a single process; :mod:`keras_pipe.executor` walks
-it, and :mod:`keras_pipe.simulator` runs it on an ideal clock (the deadlock
+generated and checked in a single process; :mod:`keras_pipe.engine.executor` walks
+it, and :mod:`keras_pipe.schedules.simulator` runs it on an ideal clock (the deadlock
 and completeness checks, the time it takes). Communication follows from the actions: a forward on stage ``s > 0``
 receives activations from ``s - 1``, a forward on stage ``s < last`` sends
 them to ``s + 1``; an action computing an input gradient receives the
@@ -48,7 +48,7 @@ from typing import NamedTuple
 from keras_pipe.errors import PipelineConfigError
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
-# Several model chunks a rank (virtual stages; :mod:`keras_pipe.virtual`): interleaved 1F1B over the
+# Several model chunks a rank (virtual stages; :mod:`keras_pipe.schedules.virtual`): interleaved 1F1B over the
 # loop placement (``num_chunks`` of them), ZB-V over the V placement (two).
 CHUNKED_SCHEDULES = ("interleaved-1f1b", "zb-v")
 
@@ -101,7 +101,7 @@ class Action(NamedTuple):
     """One step of a stage's schedule: ``kind`` on ``microbatches`` (one, except for a batched ``W``).
 
     ``chunk``: which of the rank's model chunks it runs (0 but in the schedules
-    of :mod:`keras_pipe.virtual`, where a rank holds several virtual stages).
+    of :mod:`keras_pipe.schedules.virtual`, where a rank holds several virtual stages).
     """
 
     kind: Kind
@@ -214,12 +214,12 @@ def one_f_one_b(
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """ZB-H1 (Qi et al., 2024): 1F1B's memory, the backward split, each ``W`` where its stage would wait.
 
-    See :func:`keras_pipe.zero_bubble.zero_bubble_h1`.
+    See :func:`keras_pipe.schedules.zero_bubble.zero_bubble_h1`.
 
     >>> [str(a) for a in zero_bubble_h1(2, 3)[0]]
     ['F0', 'F1', 'I0', 'W0', 'I1', 'F2', 'W1', 'I2', 'W2']
     """
-    from keras_pipe import zero_bubble
+    from keras_pipe.schedules import zero_bubble
 
     return zero_bubble.zero_bubble_h1(num_stages, num_microbatches)
 
@@ -256,10 +256,10 @@ def make_schedule(
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, split_backward, hold=hold)
     if name == "interleaved-1f1b":
-        from keras_pipe import virtual
+        from keras_pipe.schedules import virtual
 
         return virtual.interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks, split_backward, hold)
-    from keras_pipe import zero_bubble
+    from keras_pipe.schedules import zero_bubble
 
     if name == "zb-v":
         return zero_bubble.zero_bubble_v(num_stages, num_microbatches)
@@ -272,7 +272,7 @@ def placement(name: str, num_stages: int, num_chunks: int = 1) -> list[list[int]
     >>> placement("1f1b", 2), placement("interleaved-1f1b", 2, 2), placement("zb-v", 2, 2)
     ([[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]])
     """
-    from keras_pipe import virtual
+    from keras_pipe.schedules import virtual
 
     check_chunks(name, num_chunks)
     if name == "zb-v":
@@ -335,7 +335,7 @@ def hold_for(
 
 
 def check_name(name, auto: bool = True) -> None:
-    """Raises :class:`PipelineConfigError` unless ``name`` is a schedule, or ``"auto"`` (:mod:`keras_pipe.auto`)."""
+    """Raises :class:`PipelineConfigError` unless ``name`` is a schedule, or ``"auto"`` (:mod:`.auto`)."""
     known = (*SCHEDULES, *CHUNKED_SCHEDULES, "auto") if auto else (*SCHEDULES, *CHUNKED_SCHEDULES)
     if name not in known:
         raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(map(repr, known))}.")

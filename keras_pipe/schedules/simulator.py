@@ -1,12 +1,12 @@
 """Schedules run on an ideal clock: the deadlock check, completeness, and the time a schedule takes.
 
 Plain data in, plain data out: :func:`simulate` walks every stage's actions
-(:mod:`keras_pipe.schedule`) at once, each starting when its stage is free
+(:mod:`keras_pipe.schedules.schedule`) at once, each starting when its stage is free
 and its inputs have arrived, and raises, showing the stuck actions, where a
 schedule would deadlock or skip a pass. Tested without MPI in
 ``tests/test_schedule.py``.
 
->>> from keras_pipe.schedule import one_f_one_b
+>>> from keras_pipe.schedules.schedule import one_f_one_b
 >>> makespan(one_f_one_b(2, 4), {FORWARD: 1, BACKWARD: 1, FORWARD_BACKWARD: 2})
 10
 """
@@ -14,7 +14,7 @@ schedule would deadlock or skip a pass. Tested without MPI in
 from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedule import (
+from keras_pipe.schedules.schedule import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -61,7 +61,7 @@ def simulate(
     run every forward, input gradient and weight gradient exactly once.
 
     ``placement[r][c]``: the virtual stage that chunk ``c`` of rank ``r`` holds
-    (:mod:`keras_pipe.virtual`; by default rank ``r`` holds stage ``r`` alone).
+    (:mod:`keras_pipe.schedules.virtual`; by default rank ``r`` holds stage ``r`` alone).
     """
     durations = durations or {}
     placement = placement or [[s] for s in range(len(schedule))]
@@ -105,7 +105,7 @@ def makespan(schedule: list[list[Action]], durations: dict | None = None, placem
 def bubble(schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None) -> float:
     """The share of the ranks' time they wait, on :func:`simulate`'s clock (from the first start to the last end).
 
-    >>> from keras_pipe.schedule import one_f_one_b
+    >>> from keras_pipe.schedules.schedule import one_f_one_b
     >>> round(bubble(one_f_one_b(2, 4), DURATIONS), 3)  # (P - 1) / (m + P - 1): B takes two ticks, F one
     0.2
     """
@@ -175,7 +175,7 @@ def gantt(schedule: list[list[Action]], durations: dict | None = None, placement
     digits for chunks 2 and up; fused actions show their parts (``FI`` ->
     ``F`` then ``I``), ``.`` is a tick the rank waits.
 
-    >>> from keras_pipe.schedule import one_f_one_b
+    >>> from keras_pipe.schedules.schedule import one_f_one_b
     >>> print(gantt(one_f_one_b(2, 2), {FORWARD: 1, BACKWARD: 2, FORWARD_BACKWARD: 3}))
     rank 0 |FF..BB.BB|
     rank 1 |.FBBFBB..|

@@ -11,14 +11,14 @@ drains ``v`` times faster while a micro-batch crosses ranks ``v`` times:
   loop (:func:`loop_placement`: rank ``r`` holds ``r, r + P, r + 2P, ...``),
   the bubble ``(P - 1) / (v m)`` of the time instead of ``(P - 1) / m``, for
   a little more activation memory on the first ranks;
-- :func:`keras_pipe.zero_bubble.zero_bubble_v` (Qi et al., *Pipeline
+- :func:`keras_pipe.schedules.zero_bubble.zero_bubble_v` (Qi et al., *Pipeline
   Parallelism with Controllable Memory*, 2024; ZB-V): two chunks in a V
   (:func:`v_placement`: rank ``r`` holds ``r`` and ``2P - 1 - r``, so the
   first rank also holds the loss), the backward split into ``I`` and ``W``
   and the ``W`` filling the bubbles, at 1F1B's activation memory.
 
-They are checked like the others by :func:`keras_pipe.simulator.simulate`
-(given the placement), and are :data:`keras_pipe.schedule.CHUNKED_SCHEDULES`:
+They are checked like the others by :func:`keras_pipe.schedules.simulator.simulate`
+(given the placement), and are :data:`keras_pipe.schedules.schedule.CHUNKED_SCHEDULES`:
 ``PipelineModel(..., schedule="interleaved-1f1b", num_chunks=v)`` or
 ``schedule="zb-v"``. :func:`chunked_gpipe` and :func:`chunked_forward_only`
 run any placement for any number of micro-batches: a batch whose count of
@@ -30,7 +30,7 @@ prediction.
 from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedule import (
+from keras_pipe.schedules.schedule import (
     BACKWARD,
     FORWARD,
     FORWARD_BACKWARD,

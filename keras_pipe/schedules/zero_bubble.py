@@ -25,14 +25,14 @@ next action waits only for what came before it on other ranks.
   in flight on stage ``s``, and at most ``P`` held in all (1F1B's peak, that
   of its first stage): the later stages may hold their ``W`` back;
 - :func:`zero_bubble_v`: two chunks a rank in a V
-  (:func:`keras_pipe.virtual.v_placement`), at most ``2P`` chunk-sized
+  (:func:`keras_pipe.schedules.virtual.v_placement`), at most ``2P`` chunk-sized
   micro-batches held: the ``P`` whole-stage ones 1F1B's first rank holds.
 """
 
 from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedule import (
+from keras_pipe.schedules.schedule import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
@@ -41,7 +41,7 @@ from keras_pipe.schedule import (
     _check,
     act,
 )
-from keras_pipe.virtual import v_placement
+from keras_pipe.schedules.virtual import v_placement
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -72,7 +72,7 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
 
 
 def zero_bubble_v(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
-    """ZB-V over :func:`~keras_pipe.virtual.v_placement`: each rank's actions.
+    """ZB-V over :func:`~keras_pipe.schedules.virtual.v_placement`: each rank's actions.
 
     Rank ``r`` holds virtual stages ``r`` and ``2P - 1 - r``: the first rank
     holds the first and the last (the loss), and every rank at most ``2P``

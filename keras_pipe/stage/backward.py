@@ -1,15 +1,15 @@
 """Internal: a stage's backward — split (``I`` then a batched ``W``) or recorded — and what it holds meanwhile.
 
-The part of :class:`~keras_pipe.compute.StageCompute` that differentiates
+The part of :class:`~keras_pipe.stage.compute.StageCompute` that differentiates
 (a mixin: ``StageCompute`` provides the state):
 
-- **split** (every node replayable, :mod:`keras_pipe.replay`): ``F`` keeps
+- **split** (every node replayable, :mod:`keras_pipe.stage.replay`): ``F`` keeps
   each step's inputs, ``I`` computes the input gradients alone and keeps
-  each weighted step's output gradients until ``W`` (:mod:`keras_pipe.update`)
+  each weighted step's output gradients until ``W`` (:mod:`keras_pipe.stage.update`)
   computes the weight gradients of many micro-batches in one pass. What a
   micro-batch holds in flight and for its ``W`` is estimated from the graph's
   shapes, or measured on the first one, so that the schedule can bound it
-  (:func:`keras_pipe.schedule.hold_for`);
+  (:func:`keras_pipe.schedules.schedule.hold_for`);
 - **recorded** (any other stage): ``F`` runs under an eager
   ``tf.GradientTape`` that records the compiled forward as one op, and ``B``
   runs TensorFlow's gradient of it, keeping the activations the forward
@@ -24,9 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import replay
-from keras_pipe.masked import Masked
-from keras_pipe.update import variable_nbytes
+from keras_pipe.stage import replay
+from keras_pipe.stage.masked import Masked
+from keras_pipe.stage.update import variable_nbytes
 
 
 class StageBackward:

@@ -14,7 +14,7 @@ batch, to round-off. In one process (no pipeline) it is ``BatchNormalization``.
 Example:
 
 ```python
-from keras_pipe.batchnorm import DeferredBatchNormalization
+from keras_pipe.stage.batchnorm import DeferredBatchNormalization
 
 model = PipelineModel([..., keras.layers.Dense(64), DeferredBatchNormalization(), ...], num_microbatches=4)
 ```

@@ -1,19 +1,19 @@
 """Internal: one stage's compute — its nodes' forward and backward, as compiled programs.
 
 Compute only: nothing here sends, receives or times. The executor
-(:mod:`keras_pipe.executor`) calls these methods in the order the schedule
+(:mod:`keras_pipe.engine.executor`) calls these methods in the order the schedule
 gives, and moves tensors between ranks itself. A stage's forward takes its
-inputs (:attr:`keras_pipe.cut.Stage.inputs`: model inputs on the first
+inputs (:attr:`keras_pipe.graph.cut.Stage.inputs`: model inputs on the first
 stage, received tensors elsewhere) as a list, runs its nodes
-(:class:`~keras_pipe.graph.NodeCall`) in order, and returns its outputs
-(:attr:`~keras_pipe.cut.Stage.outputs`); a tensor that carries a Keras mask
+(:class:`~keras_pipe.graph.graph.NodeCall`) in order, and returns its outputs
+(:attr:`~keras_pipe.graph.cut.Stage.outputs`); a tensor that carries a Keras mask
 travels as a :class:`Masked` pair.
 
 Each method runs one compiled program per micro-batch (or per batch, for
-``W``; see :mod:`keras_pipe.programs`). The forward is here; the backward,
+``W``; see :mod:`keras_pipe.stage.programs`). The forward is here; the backward,
 split (``I`` then a batched ``W``) or recorded under a tape, is
-:mod:`keras_pipe.backward`; the batched ``W`` and the update are
-:mod:`keras_pipe.update`.
+:mod:`keras_pipe.stage.backward`; the batched ``W`` and the update are
+:mod:`keras_pipe.stage.update`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_pipe import compat, replay
-from keras_pipe.backward import StageBackward, _distinct_bytes
-from keras_pipe.batchnorm import DeferredBatchNormalization
+from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.gradients import GradientSum
-from keras_pipe.masked import Masked
-from keras_pipe.programs import StageProgram
-from keras_pipe.update import StageUpdate
+from keras_pipe.stage import replay
+from keras_pipe.stage.backward import StageBackward, _distinct_bytes
+from keras_pipe.stage.batchnorm import DeferredBatchNormalization
+from keras_pipe.stage.gradients import GradientSum
+from keras_pipe.stage.masked import Masked
+from keras_pipe.stage.programs import StageProgram
+from keras_pipe.stage.update import StageUpdate
 
 RECOMPUTE = ("never", "except_last", "always")
 
@@ -37,9 +38,9 @@ class StageCompute(StageBackward, StageUpdate):
     """The nodes one rank runs and the compiled programs that run them.
 
     Args:
-        stage: this rank's :class:`~keras_pipe.cut.Stage`.
-        calls: its nodes' :class:`~keras_pipe.graph.NodeCall`\\ s, in order.
-        graph: the whole :class:`~keras_pipe.cut.Graph` (tensor names, masks).
+        stage: this rank's :class:`~keras_pipe.graph.cut.Stage`.
+        calls: its nodes' :class:`~keras_pipe.graph.graph.NodeCall`\\ s, in order.
+        graph: the whole :class:`~keras_pipe.graph.cut.Graph` (tensor names, masks).
         layers: the layers whose weights the stage holds.
         jit: compile programs with XLA where the layers allow it.
         eager: run everything op by op (``compile(run_eagerly=True)``).
@@ -288,7 +289,7 @@ class StageCompute(StageBackward, StageUpdate):
         ``sums`` is each term's value times its divisor (the micro-batch's
         summed entries); the backward (recorded) seeds it with each term's
         weight over the whole batch's divisor, known once every micro-batch
-        ran its forward (see :func:`keras_pipe.schedule.gpipe`'s
+        ran its forward (see :func:`keras_pipe.schedules.schedule.gpipe`'s
         ``whole_batch_loss``).
         """
 

@@ -195,7 +195,7 @@ def signature(value):
 
 
 class StageProgram:
-    """A stage's :class:`~keras_pipe.programs.Program`, with the value checks XLA would skip.
+    """A stage's :class:`~keras_pipe.stage.programs.Program`, with the value checks XLA would skip.
 
     Where XLA may compile the program, each id an ``Embedding`` looks up and
     each label of a sparse cross-entropy is checked against its range, as

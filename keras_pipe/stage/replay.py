@@ -28,7 +28,7 @@ micro-batch.
 
 A node is replayed only where that is known to be exact and cheap (see
 :func:`why_not_replayable`); a stage with any other node uses the recorded
-backward of :mod:`keras_pipe.compute` instead.
+backward of :mod:`keras_pipe.stage.compute` instead.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ NOT_REPLAYED = (keras.layers.Lambda, keras.layers.RNN, keras.layers.Bidirectiona
 
 
 def why_not_replayable(call) -> str | None:
-    """``None`` if the node ``call`` (a :class:`~keras_pipe.graph.NodeCall`) replays exactly and cheaply, else why."""
+    """``None`` if node ``call`` (a :class:`~keras_pipe.graph.graph.NodeCall`) replays exactly and cheaply, else why."""
     layer = call.layer
     if layer is None:
         operation = call.operation

@@ -1,6 +1,6 @@
 """Internal: the end of a stage's step — batched weight gradients, weight regularization, the update.
 
-:class:`StageUpdate` is the part of :class:`~keras_pipe.compute.StageCompute`
+:class:`StageUpdate` is the part of :class:`~keras_pipe.stage.compute.StageCompute`
 that works on the step's gradients rather than on micro-batches: the
 batched ``W`` of a split backward (one pass over many micro-batches, fused
 with the optimizer update when nothing else must be known first), the
@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import compat, replay
+from keras_pipe import compat
+from keras_pipe.stage import replay
 
 
 class StageUpdate:

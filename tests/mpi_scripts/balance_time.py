@@ -9,7 +9,7 @@ import keras
 from common import RANK
 
 from keras_pipe import PipelineModel
-from keras_pipe.comm import Communicator
+from keras_pipe.mpi.comm import Communicator
 
 
 def chain():

@@ -12,7 +12,7 @@ import numpy as np
 from common import RANK, SIZE, assert_close, data, layers
 
 from keras_pipe import PipelineModel
-from keras_pipe.comm import Communicator
+from keras_pipe.mpi.comm import Communicator
 
 tmp = sys.argv[1]
 x, y, sw = data(n=203)

@@ -58,7 +58,7 @@ if mode == "after-import" and RANK == 1:
     failing()
     open("/nonexistent/rank-1/data.npz")  # a typo in a path: FileNotFoundError
 if mode == "raised-anew" and RANK == 0:
-    from keras_pipe import stall
+    from keras_pipe.mpi import stall
 
     hear_failures, heard_late = stall.note_failures, []
 

@@ -108,7 +108,7 @@ if SIZE > 1:
 # A stage's last W and update cut into one program a layer (the real threshold is 64 MiB of weights a
 # program, which no model here reaches): every rank's stage trains as its part of Sequential.
 if SIZE > 1:
-    from keras_pipe import update
+    from keras_pipe.stage import update
 
     update.GROUP_BYTES, bytes_before = 1, update.GROUP_BYTES
     initial, expected, expected_weights, _, _ = references[split_layers]

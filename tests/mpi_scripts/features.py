@@ -20,7 +20,7 @@ import tensorflow as tf
 from common import RANK, SIZE, assert_close, data, trained_on_rank_0
 
 from keras_pipe import PipelineModel
-from keras_pipe.batchnorm import DeferredBatchNormalization
+from keras_pipe.stage.batchnorm import DeferredBatchNormalization
 
 x, y, sw = data(n=96)
 fit_args = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)

@@ -5,7 +5,7 @@ import time
 import numpy as np
 from common import RANK
 
-from keras_pipe.comm import TAG_ACTIVATION, Communicator
+from keras_pipe.mpi.comm import TAG_ACTIVATION, Communicator
 
 comm = Communicator()
 comm.barrier()
