@@ -101,54 +101,6 @@ def _serialized(value):
         return repr(value)
 
 
-def check_same_everywhere(comm: Communicator, what: str, values: dict) -> None:
-    """Raises :class:`RankMismatchError` on every rank unless all ranks passed equal ``values``."""
-    everyone = comm.allgather_json(values)
-    differences = []
-    for key in sorted(set().union(*everyone)):
-        seen = [ranked.get(key) for ranked in everyone]
-        if any(v != seen[0] for v in seen):
-            if all(isinstance(v, list) for v in seen):
-                seen = _first_difference(seen)
-            differences.append(f"  {key}: {ranks_by_value(seen, json_values=True)}")
-    if differences:
-        raise (
-            RankMismatchError(
-                f"the ranks disagree on {what}:\n" + "\n".join(differences) + "\nEvery rank must run the same "
-                "script with the same model, compile() and fit()/evaluate()/predict() arguments."
-            )
-        )
-
-
-def ranks_by_value(values: list, json_values: bool = False) -> str:
-    """``'ranks [0, 1, 2]: 4; ranks [3]: 1'``: which ranks passed which value.
-
-    >>> ranks_by_value([4, 4, 4, 1])
-    'ranks [0, 1, 2]: 4; ranks [3]: 1'
-    """
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(json.dumps(value, sort_keys=True) if json_values else repr(value), []).append(rank)
-    return "; ".join(f"ranks {ranks}: {_short(value)}" for value, ranks in groups.items())
-
-
-def _first_difference(lists: list[list]) -> list:
-    """Each rank's entry at the first index where the ranks' lists differ (or their lengths)."""
-    length = max(len(values) for values in lists)
-    for index in range(length):
-        entries = [values[index] if index < len(values) else None for values in lists]
-        if any(e != entries[0] for e in entries):
-            return [
-                e if e is not None else f"nothing at position {index} ({len(v)} entries)"
-                for e, v in zip(entries, lists)
-            ]
-    return lists
-
-
-def _short(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 class StepAgreement:
     """Before every step, the ranks compare (phase, call, step, has data, batch size).
 

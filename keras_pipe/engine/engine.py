@@ -36,8 +36,9 @@ from keras_pipe.engine.stage_actions import StageActions
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
+from keras_pipe.mpi.agreement import start_entry_agreement
 from keras_pipe.mpi.devices import check_all_ranks, try_configure_gpus
-from keras_pipe.mpi.runtime import init, start_entry_agreement
+from keras_pipe.mpi.runtime import init
 from keras_pipe.mpi.threads import configure_threads
 from keras_pipe.mpi.topology import connect
 from keras_pipe.schedules import schedule

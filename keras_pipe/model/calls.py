@@ -21,13 +21,13 @@ from keras_pipe import compat
 from keras_pipe.engine.consistency import (
     COMPARED_ARGUMENTS,
     batch_digest,
-    check_same_everywhere,
     describe_argument,
     model_fingerprint,
 )
 from keras_pipe.model import compile_checks
 from keras_pipe.model import weights as _weights
 from keras_pipe.model.callbacks import adapt_callbacks
+from keras_pipe.mpi.agreement import check_same_everywhere
 
 
 class CallPreparation:

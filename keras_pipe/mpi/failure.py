@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from keras_pipe.mpi import comm as _comm
 from keras_pipe.mpi import stall as _stall
+from keras_pipe.mpi.agreement import agree_on_entry
 
 _installed = False
 # MPI_Abort makes the launcher kill every process at once, and Hydra may
@@ -134,7 +135,7 @@ def collective(method):
     """Decorates a method every rank calls together: agreed on entry; an error on one rank aborts the job.
 
     On entry to the outermost collective method, the ranks compare which
-    method each called (:func:`keras_pipe.mpi.runtime.agree_on_entry`): a method
+    method each called (:func:`keras_pipe.mpi.agreement.agree_on_entry`): a method
     called on some ranks only (``if rank == 0: model.save(...)``) is an error
     at once, not a wait for the stall timeout. An error then propagates on
     every rank if every rank raised it at the same point (:func:`verify`);
@@ -145,8 +146,6 @@ def collective(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         global _depth
-        from keras_pipe.mpi.runtime import agree_on_entry
-
         _depth += 1
         try:
             if _depth == 1:

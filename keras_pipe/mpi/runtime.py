@@ -10,17 +10,8 @@ first thing to cover its own first lines too.
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-
-from mpi4py import MPI
-
-from keras_pipe.errors import RankMismatchError
 from keras_pipe.mpi.failure import install_excepthook
 from keras_pipe.mpi.threads import configure_threads
-
-_entries = None  # the communicator collective methods agree on, once a model exists
 
 
 def init() -> None:
@@ -39,50 +30,3 @@ def init() -> None:
     """
     configure_threads(warn=False)
     install_excepthook()
-
-
-def start_entry_agreement(world) -> None:
-    """Makes collective methods agree on entry (collective: the first ``PipelineModel`` calls it).
-
-    The agreement has a communicator of its own, so that a method called on
-    one rank in the middle of another collective (a callback saving on rank
-    0 during ``fit``) cannot be matched with a step's messages; and at the
-    end of the script each rank says it has finished, so that a method
-    still waiting for it learns why at once.
-    """
-    global _entries
-    if _entries is not None or world.size == 1:
-        return
-    # a child of the world communicator: its stall reports ask every rank there
-    from keras_pipe.mpi.comm import Communicator, created
-
-    _entries = Communicator(created(world.comm.Dup()), world.stall_timeout, parent=world)
-    atexit.register(_finished)
-
-
-def agree_on_entry(what: str) -> None:
-    """Every rank says which collective method it entered; raises on every rank unless all entered ``what``."""
-    if _entries is None:
-        return
-    _entries.doing = f"entering {what}"
-    called = _entries.allgather_json(what)
-    if all(c == what for c in called):
-        return
-    from keras_pipe.engine.consistency import ranks_by_value
-
-    raise RankMismatchError(
-        f"the ranks called different collective methods: {ranks_by_value(called)}. The methods of a "
-        "PipelineModel that communicate (fit, evaluate, predict, save, save_weights, load_weights, get_weights, "
-        "set_weights, to_sequential, summary, count_params) must be called on every rank, in the same order: "
-        "call them outside any `if rank == 0:` (rank 0 alone writes the files)."
-    )
-
-
-def _finished() -> None:
-    """At exit: tells any rank still waiting in a collective method that this one finished its script."""
-    try:
-        agree_on_entry("the end of the script")
-    except RankMismatchError as error:
-        sys.stderr.write(f"[keras_pipe] rank {MPI.COMM_WORLD.Get_rank()} finished its script, but {error}\n")
-        sys.stderr.flush()
-        os._exit(1)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from keras_pipe.engine.consistency import ranks_by_value
 from keras_pipe.errors import RankMismatchError
+from keras_pipe.mpi.agreement import ranks_by_value
 from keras_pipe.mpi.comm import Communicator
 from keras_pipe.mpi.layout import Layout, host_name
 from keras_pipe.mpi.stall import start_timeout_from_env
