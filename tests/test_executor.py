@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from keras_pipe.engine.executor import Batch, Executor
+from keras_pipe.engine.batch import Batch
+from keras_pipe.engine.executor import Executor
 from keras_pipe.engine.step_end import clip_scale, whole_model_scale
 from keras_pipe.schedules.schedule import gpipe, make_schedule
 

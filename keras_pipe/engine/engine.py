@@ -25,9 +25,10 @@ import tensorflow as tf
 
 from keras_pipe.engine import probe
 from keras_pipe.engine.allreduce import ReplicaReducer, TiedReducer
+from keras_pipe.engine.batch import Batch
 from keras_pipe.engine.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
 from keras_pipe.engine.consistency import StepAgreement
-from keras_pipe.engine.executor import Batch, Executor, rows
+from keras_pipe.engine.executor import Executor, rows
 from keras_pipe.engine.links import Links
 from keras_pipe.engine.logs import LogSharing
 from keras_pipe.engine.predictions import PredictionExchange

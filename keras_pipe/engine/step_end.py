@@ -17,16 +17,13 @@ first, the stage's last ``W`` applies the update in its own program
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe.engine.batch import Batch, StepResult
 from keras_pipe.stage.update import apply_together, separable
-
-if TYPE_CHECKING:
-    from keras_pipe.engine.executor import Batch, StepResult
 
 
 class StepEnd:

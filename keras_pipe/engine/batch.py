@@ -1,0 +1,51 @@
+"""Internal: what one stage's step is given (:class:`Batch`) and what it gives back (:class:`StepResult`).
+
+The executor (:mod:`keras_pipe.engine.executor`) walks the stage's actions
+over a batch and the end of the step (:mod:`keras_pipe.engine.step_end`)
+finishes it: both read these, so they live beside both, not in either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Batch:
+    """What one stage needs to run one batch.
+
+    ``bounds`` are the rows of each of this replica's micro-batches in the
+    global batch of ``batch_size`` rows; ``x`` (the model inputs, a list) is
+    read by the first stage, ``y`` and ``sample_weight`` by the last.
+    ``shares[i, k]``: micro-batch ``i``'s share of loss term ``k``'s divisor
+    (see :mod:`keras_pipe.stage.losses`), ``term_weights`` the terms' ``loss_weights``.
+    """
+
+    phase: str  # "train", "test" or "predict"
+    batch_size: int
+    bounds: list
+    x: Any = None
+    y: Any = None
+    sample_weight: Any = None
+    loss: Any = None  # a MicrobatchLoss (last stage)
+    shares: Any = None
+    term_weights: Any = None
+    optimizer: Any = None
+    regularize: bool = False  # count the weight regularizers (one replica does)
+    # A term's divisor is known only once every forward counted it (a masked output under a
+    # mean loss): the last stage sums each micro-batch's terms and divisors, and seeds its
+    # backwards once the whole batch is counted.
+    whole_batch_loss: bool = False
+
+
+@dataclass
+class StepResult:
+    loss_part: float = 0.0  # this stage's share of the batch loss
+    predictions: list = field(default_factory=list)  # last stage: per micro-batch, the flat model outputs
+    terms: Any = None  # last stage: each loss term's value over this replica's share of the batch
+    # last stage, whole_batch_loss: the summed terms and divisors of this replica's micro-batches
+    # and, once counted, the whole global batch's divisors
+    sums: Any = None
+    divisors: Any = None
+    batch_divisors: Any = None
