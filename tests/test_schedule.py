@@ -241,7 +241,7 @@ def test_unknown_schedule():
 def test_the_docstring_examples():
     import doctest
 
-    from keras_pipe.schedules import schedule, simulator
+    from keras_pipe.schedules import actions, one_chunk, schedule, simulator
 
-    for module in (schedule, simulator):
+    for module in (actions, one_chunk, schedule, simulator):
         assert doctest.testmod(module).failed == 0, module.__name__

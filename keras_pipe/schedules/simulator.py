@@ -14,7 +14,7 @@ schedule would deadlock or skip a pass. Tested without MPI in
 from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedules.schedule import (
+from keras_pipe.schedules.actions import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,

@@ -30,7 +30,7 @@ prediction.
 from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedules.schedule import (
+from keras_pipe.schedules.actions import (
     BACKWARD,
     FORWARD,
     FORWARD_BACKWARD,
@@ -42,8 +42,8 @@ from keras_pipe.schedules.schedule import (
     act,
     check_count,
     max_in_flight,
-    one_f_one_b,
 )
+from keras_pipe.schedules.one_chunk import one_f_one_b
 
 
 def loop_placement(num_ranks: int, num_chunks: int) -> list[list[int]]:

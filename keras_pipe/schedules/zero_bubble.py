@@ -32,7 +32,7 @@ next action waits only for what came before it on other ranks.
 from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedules.schedule import (
+from keras_pipe.schedules.actions import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
