@@ -1,4 +1,4 @@
-"""ruff, configured in pyproject.toml, passes on the package, tests and examples."""
+"""ruff, configured in pyproject.toml, passes on the package, tests and examples; the packages keep their layers."""
 
 import subprocess
 import sys
@@ -21,3 +21,37 @@ def test_ruff():
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_contracts():
+    """setup.cfg's [importlinter] contracts: the layers, no MPI below the engine, no import cycle."""
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    if not lint_imports.exists():
+        pytest.skip("import-linter is not installed (it comes with the test extra)")
+    result = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 kept, 0 broken" in result.stdout, result.stdout
+
+
+def test_no_import_cycle_between_any_two_modules():
+    """No module reaches, through imports, a module that imports it (grimp's graph, imports in functions too)."""
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (the test extra)")
+    graph = grimp.build_graph("keras_pipe")
+    cycles = []
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back:
+                cycles.append(f"{importer} -> {' -> '.join(back)}")
+    assert not cycles, "\n".join(cycles)
+
+
+def test_every_package_says_what_it_may_import():
+    """Each sub-package's __init__ is a docstring (what the layer is for, what it may import) and no import."""
+    import ast
+
+    for init in sorted((ROOT / "keras_pipe").glob("*/__init__.py")):
+        tree = ast.parse(init.read_text())
+        docstring = ast.get_docstring(tree)
+        assert docstring and "import" in docstring, init
+        assert not any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(tree)), init
