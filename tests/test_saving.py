@@ -65,3 +65,27 @@ def test_killing_rank_0_while_it_saves_leaves_the_previous_file(tmp_path, target
         cwd=SCRIPTS,
     )
     assert "PREVIOUS FILES LOAD IN PLAIN KERAS" in plain.stdout, plain.stdout + plain.stderr
+
+
+def test_a_file_saved_before_the_packages_loads_with_its_weights_and_optimizer_state():
+    """tests/data/saved_before_packages.keras: saved by the code before keras_pipe/ became packages (issue 40).
+
+    A DeferredBatchNormalization in it is stored under its old module path
+    (``keras_pipe.batchnorm``); Keras finds the class by its registered name.
+    """
+    import json
+    from pathlib import Path
+
+    import keras
+    import numpy as np
+
+    import keras_pipe
+
+    data = Path(__file__).parent / "data"
+    expected = json.loads((data / "saved_before_packages.json").read_text())
+    x = np.asarray(expected["x"], "float32")
+    for load in (keras_pipe.load_model, keras.saving.load_model):
+        model = load(str(data / "saved_before_packages.keras"))
+        assert int(model.optimizer.iterations.numpy()) == 1, load  # (fit one step before saving)
+        assert any(isinstance(layer, keras_pipe.DeferredBatchNormalization) for layer in model.layers), load
+        np.testing.assert_allclose(model.predict(x, verbose=0), expected["predictions"], rtol=1e-5, atol=1e-6)
