@@ -4,8 +4,10 @@ The engine owns everything that spans ranks: the communicators and the
 layout (:mod:`keras_pipe.mpi.topology`), the model's graph and its cut
 (:mod:`keras_pipe.graph.graph`, :mod:`keras_pipe.graph.cut`), this rank's stage
 (compute, links, executor), the per-step agreement and the log sharing;
-the actions it runs (:mod:`keras_pipe.engine.stage_actions`) and the targets and
-predictions it exchanges (:mod:`keras_pipe.engine.predictions`) are its mixins.
+it holds the actions it runs (``actions``, a
+:class:`~keras_pipe.engine.stage_actions.StageActions`) and the exchange of
+targets and predictions (``predictions``, a
+:class:`~keras_pipe.engine.predictions.PredictionExchange`).
 ``PipelineModel`` is a thin Keras façade over it; saving, weights, the
 timeline and the benchmarks use the engine's public attributes below, never
 the façade's private ones.
@@ -49,14 +51,15 @@ from keras_pipe.stage.losses import divisor_shares
 from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
 
 
-class Engine(StageActions, PredictionExchange):
+class Engine:
     """The pipeline of one model on this rank (collective to create: every rank creates one).
 
     Public attributes: ``world``, ``pipeline`` and ``replicas`` (the
     communicators), ``layout``, ``stage``/``replica`` (this rank's place),
     ``num_stages``/``num_replicas``, ``num_microbatches``, ``schedule``, and
     once built ``graph`` (the model's :class:`~keras_pipe.graph.graph.ModelGraph`),
-    ``cut``, ``balance``, ``compute`` (this stage) and ``executor``.
+    ``cut``, ``balance``, ``compute`` (this stage) and ``executor``; ``actions``
+    (which actions this rank runs) and ``predictions`` (targets and predictions across ranks).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class Engine(StageActions, PredictionExchange):
         self.placement = schedule.placement(schedule_name, self.num_stages, num_chunks)
         self.virtual_ranks = ranks_of_virtual_stages(self.placement)
         self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
+        self.actions = StageActions(schedule_name, self.picker, self.num_stages, self.stage, num_chunks, self.placement)
         if schedule_name == "interleaved-1f1b" and num_microbatches % self.num_stages:
             rounded = -(-num_microbatches // self.num_stages) * self.num_stages
             raise PipelineConfigError(
@@ -118,6 +122,15 @@ class Engine(StageActions, PredictionExchange):
         self.is_last = self.stage == self.last_rank
         first_stages = [pipeline[0] for pipeline in self.layout.pipelines] if self.num_replicas > 1 else []
         self.steps = StepAgreement(self.world, data_ranks=first_stages)
+        self.predictions = PredictionExchange(
+            self.pipeline,
+            self.replicas,
+            self.num_replicas,
+            self.num_stages,
+            self.last_rank,
+            self.is_first,
+            self.is_last,
+        )
         self.logs = LogSharing(self.world, source=self.layout.rank_of(0, self.last_rank))
         self.where = f"stage {self.stage}" + (f" of replica {self.replica}" if self.replicas is not None else "")
         self.graph: graphs.ModelGraph | None = None
@@ -128,7 +141,6 @@ class Engine(StageActions, PredictionExchange):
         self.links: Links | None = None
         self.chunks: list[Chunk] = []  # this rank's virtual stages (one, but with a chunked schedule)
         self.masks: dict | None = None  # each tensor's Keras mask, measured on real tensors (first batch)
-        self._schedules: dict = {}
         self._tracer = None
         self.jit, self.eager = "auto", False
 
@@ -263,7 +275,7 @@ class Engine(StageActions, PredictionExchange):
         """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""
         self.graph = self.cut = self.balance = self.compute = self.executor = self.links = self.masks = None
         self.chunks = []
-        self._schedules.clear()
+        self.actions.forget()
 
     def release_others(self) -> None:
         """Frees the weights of the layers other stages hold (a model handed in built had them all)."""
@@ -311,7 +323,7 @@ class Engine(StageActions, PredictionExchange):
             chunk.compute.set_masks(self.masks)
             if chunk.links is not None:
                 chunk.links.set_masks(self.masks)
-        self._schedules.clear()
+        self.actions.forget()
 
     def output_masked(self) -> list[bool]:
         """For each flat model output, whether it carries a Keras mask (measured; the graph's until then)."""
@@ -374,7 +386,7 @@ class Engine(StageActions, PredictionExchange):
             regularize=self.replica == 0 and phase != "predict",
             whole_batch_loss=whole,
         )
-        actions = self.actions(phase, len(bounds), whole) if bounds else []
+        actions = self.actions.for_batch(self.chunks, phase, len(bounds), whole) if bounds else []
         began = time.perf_counter()
         result = self.executor.run(actions, batch)
         if phase == "train" and self.picker is not None and self.picker.record(time.perf_counter() - began):
@@ -383,7 +395,9 @@ class Engine(StageActions, PredictionExchange):
         if not self.is_last:
             return result.loss_part, None, None
         outputs = len(self.cut.graph.outputs)
-        parts = [p for p in result.predictions if p is not None] or [self._no_predictions(phase)]
+        parts = [p for p in result.predictions if p is not None] or [
+            self.predictions.none(phase, self.cut.graph, self.masks)
+        ]
         flat = []
         for k in range(outputs):
             pieces = [p[k] for p in parts]
@@ -391,7 +405,7 @@ class Engine(StageActions, PredictionExchange):
                 flat.append(Masked(*(tf.concat(part, axis=0) for part in zip(*pieces))))
             else:
                 flat.append(tf.concat(pieces, axis=0))
-        return result.loss_part, result.terms, [self.gather_replicas(p, batch_size) for p in flat]
+        return result.loss_part, result.terms, [self.predictions.gather_replicas(p, batch_size) for p in flat]
 
     # -- weights -------------------------------------------------------------------------
 

@@ -18,15 +18,30 @@ from keras_pipe.stage.microbatch import replica_bounds
 
 
 class PredictionExchange:
-    """The :class:`~keras_pipe.engine.engine.Engine`'s targets and predictions across ranks (its ``links``...)."""
+    """Targets and predictions across ranks (an :class:`~keras_pipe.engine.engine.Engine` holds one).
 
-    def _no_predictions(self, phase: str) -> list:
-        """A replica with no share of the batch: empty predictions of the right shapes."""
+    ``pipeline`` and ``replicas`` are this rank's communicators (``replicas``
+    ``None`` without replicas), ``last_rank`` the pipeline rank that computes
+    the loss, ``is_first``/``is_last`` whether this rank holds the first/last
+    (virtual) stage.
+    """
+
+    def __init__(self, pipeline, replicas, num_replicas: int, num_stages: int, last_rank: int, is_first, is_last):
+        self.pipeline = pipeline
+        self.replicas = replicas
+        self.num_replicas = num_replicas
+        self.num_stages = num_stages
+        self.last_rank = last_rank
+        self.is_first = is_first
+        self.is_last = is_last
+
+    def none(self, phase: str, graph, masks: dict | None) -> list:
+        """A replica with no share of the batch: empty predictions of the right shapes (``graph``: the cut's)."""
         empty = []
-        for t in self.cut.graph.outputs:
-            tensor = self.cut.graph.tensors[t]
+        for t in graph.outputs:
+            tensor = graph.tensors[t]
             y_pred = tf.zeros((0,) + tuple(d or 1 for d in tensor.shape[1:]), tensor.dtype)
-            mask = (self.masks or {}).get(t)
+            mask = (masks or {}).get(t)
             if mask is None or phase == "predict":
                 empty.append(y_pred)
             else:
@@ -43,26 +58,32 @@ class PredictionExchange:
             return Masked(self.gather_replicas(y_pred.tensor, batch_size), tf.convert_to_tensor(mask.astype(bool)))
         return tf.convert_to_tensor(self.replicas.allgather_rows(y_pred.numpy(), counts))
 
-    def broadcast_predictions(self, flat, batch_size: int) -> list:
-        """Every rank gets the last stage's flat predictions of the batch (shapes travel: they may vary)."""
+    def broadcast_predictions(self, flat, batch_size: int, graph) -> list:
+        """Every rank gets the last stage's flat predictions of the batch (shapes travel: they may vary).
+
+        ``graph``: the cut's graph (its outputs and their dtypes).
+        """
         if self.num_stages == 1:
             return flat
         root = self.last_rank
         shapes = self.pipeline.bcast_json([list(p.shape) for p in flat] if self.is_last else None, root=root)
         result = []
-        for k, (t, shape) in enumerate(zip(self.cut.graph.outputs, shapes)):
-            dtype = tf.as_dtype(self.cut.graph.tensors[t].dtype).as_numpy_dtype
+        for k, (t, shape) in enumerate(zip(graph.outputs, shapes)):
+            dtype = tf.as_dtype(graph.tensors[t].dtype).as_numpy_dtype
             buffer = flat[k].numpy() if self.is_last else np.empty(shape, dtype)
             result.append(tf.convert_to_tensor(self.pipeline.bcast_array(buffer, root=root)))
         return result
 
-    def exchange_targets(self, y, sample_weight, batch_size: int):
-        """The first stage's labels and sample weights, on the last stage (paired with its inputs)."""
-        if self.links is None:
+    def exchange_targets(self, y, sample_weight, batch_size: int, chunks: list):
+        """The first stage's labels and sample weights, on the last stage (paired with its inputs).
+
+        ``chunks``: the rank's :class:`~keras_pipe.engine.chunks.Chunk` list, whose links carry them.
+        """
+        if chunks[0].links is None:
             return y, sample_weight
         flat = [a for a in keras.tree.flatten((y, sample_weight)) if a is not None]
-        first = next(chunk for chunk in self.chunks if chunk.is_first) if self.is_first else None
-        last = next(chunk for chunk in self.chunks if chunk.is_last) if self.is_last else None
+        first = next(chunk for chunk in chunks if chunk.is_first) if self.is_first else None
+        last = next(chunk for chunk in chunks if chunk.is_last) if self.is_last else None
         if first is not None:
             first.links.send_targets(flat)
         if last is not None:

@@ -16,22 +16,43 @@ from keras_pipe.schedules import schedule
 
 
 class StageActions:
-    """:class:`~keras_pipe.engine.engine.Engine`'s schedule for its rank (its ``compute``, ``chunks``...)."""
+    """Which actions this rank runs for a batch (an :class:`~keras_pipe.engine.engine.Engine` holds one).
+
+    ``schedule`` is the schedule's name, ``picker`` what ``"auto"`` runs
+    (``None`` otherwise), ``stage`` this rank's place in a pipeline of
+    ``num_stages``, and ``placement`` which virtual stages each rank's
+    ``num_chunks`` chunks hold.
+    """
+
+    def __init__(self, schedule: str, picker, num_stages: int, stage: int, num_chunks: int, placement: list):
+        self.schedule = schedule
+        self.picker = picker
+        self.num_stages = num_stages
+        self.stage = stage
+        self.num_chunks = num_chunks
+        self.placement = placement
+        self._schedules: dict = {}
+
+    def forget(self) -> None:
+        """Drops the resolved actions (the stage was rebuilt, or what it can split changed)."""
+        self._schedules.clear()
 
     def training_schedule(self) -> str:
         """The schedule the next training step runs: ``schedule``, or what ``"auto"`` runs or has picked."""
         return self.schedule if self.picker is None else self.picker.current()
 
-    def actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool = False) -> list:
+    def for_batch(self, chunks: list, phase: str, num_microbatches: int, whole_batch_loss: bool = False) -> list:
         """This stage's actions for a batch of ``num_microbatches`` (resolved once per configuration).
+
+        ``chunks``: the rank's :class:`~keras_pipe.engine.chunks.Chunk` list (one, but with a chunked schedule).
 
         ``whole_batch_loss`` (a mean loss over a masked output) trains in
         GPipe's order whatever the schedule: the last stage must count the
         whole batch's unmasked entries before its first backward.
         """
         if self.num_chunks > 1:
-            return self._chunked_actions(phase, num_microbatches, whole_batch_loss)
-        compute = self.compute
+            return self._chunked_actions(chunks, phase, num_microbatches, whole_batch_loss)
+        compute = chunks[0].compute
         # What holding a micro-batch for its W costs is estimated from the shapes, or measured on
         # the first step, which runs each W right after its I; then the schedule holds what fits
         # (schedule.hold_for). (In the key: compile() may change what is trainable.)
@@ -55,13 +76,13 @@ class StageActions:
                 split = compute.split or schedule.needs_split_backward(name)
                 plan = schedule.make_schedule(name, self.num_stages, num_microbatches, split, hold)
             actions = plan[self.stage]
-            if phase == "train" and not self.compute.split:
+            if phase == "train" and not compute.split:
                 actions = _unsplit(actions)
             self._schedules[key] = actions
         return self._schedules[key]
 
-    def _chunked_actions(self, phase: str, num_microbatches: int, whole_batch_loss: bool) -> list:
-        """:meth:`actions` with several chunks a rank: the chunked schedule, each ``W`` within its own bound.
+    def _chunked_actions(self, chunks: list, phase: str, num_microbatches: int, whole_batch_loss: bool) -> list:
+        """:meth:`for_batch` with several chunks a rank: the chunked schedule, each ``W`` within its own bound.
 
         A batch that interleaved 1F1B cannot take (micro-batches not a multiple
         of the ranks: the last, short batch) and a loss over the whole batch
@@ -71,7 +92,7 @@ class StageActions:
         """
         from keras_pipe.schedules import virtual
 
-        split = [chunk.compute.split for chunk in self.chunks]
+        split = [chunk.compute.split for chunk in chunks]
         key = (phase, num_microbatches, tuple(split), whole_batch_loss)
         if key not in self._schedules:
             p, m, v = self.num_stages, num_microbatches, self.num_chunks

@@ -282,7 +282,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         _, _, flat = self.engine.run("predict", flat_x, batch_size)
         if flat is not None:
             flat = [p.tensor if isinstance(p, Masked) else p for p in flat]
-        flat = self.engine.broadcast_predictions(flat, batch_size)
+        flat = self.engine.predictions.broadcast_predictions(flat, batch_size, self.engine.cut.graph)
         return keras.tree.pack_sequence_as(self.engine.graph.output_structure(), flat)
 
     def _inputs(self, x) -> list | None:
@@ -319,7 +319,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
                 "ragged or sparse labels cannot travel from the first stage, which pairs them with the inputs, to the "
                 "last, which computes the loss: give dense labels (padded, with sample weights), or train on one rank."
             )
-        y, sample_weight = engine.exchange_targets(y, sample_weight, batch_size)
+        y, sample_weight = engine.predictions.exchange_targets(y, sample_weight, batch_size, engine.chunks)
         if phase == "train" and self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
         loss = self._microbatch_loss(y)
