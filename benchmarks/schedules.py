@@ -2,7 +2,7 @@
 
 A whole stage's forward, input gradient and weight gradient take 2 ticks
 each; a chunk's (with two chunks a rank) 1. Prints the Markdown of
-``docs/schedules.md`` (``tests/test_virtual.py`` checks the two agree):
+``docs/schedules.md`` (``tests/schedules/test_virtual.py`` checks the two agree):
 
     python benchmarks/schedules.py --ranks 4 --microbatches 8 > docs/schedules.md
 """

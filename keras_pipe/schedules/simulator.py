@@ -4,7 +4,7 @@ Plain data in, plain data out: :func:`simulate` walks every stage's actions
 (:mod:`keras_pipe.schedules.schedule`) at once, each starting when its stage is free
 and its inputs have arrived, and raises, showing the stuck actions, where a
 schedule would deadlock or skip a pass. Tested without MPI in
-``tests/test_schedule.py``.
+``tests/schedules/test_schedule.py``.
 
 >>> from keras_pipe.schedules.schedule import one_f_one_b
 >>> makespan(one_f_one_b(2, 4), {FORWARD: 1, BACKWARD: 1, FORWARD_BACKWARD: 2})

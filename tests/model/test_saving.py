@@ -81,7 +81,7 @@ def test_a_file_saved_before_the_packages_loads_with_its_weights_and_optimizer_s
 
     import keras_pipe
 
-    data = Path(__file__).parent / "data"
+    data = Path(__file__).parent.parent / "data"
     expected = json.loads((data / "saved_before_packages.json").read_text())
     x = np.asarray(expected["x"], "float32")
     for load in (keras_pipe.load_model, keras.saving.load_model):

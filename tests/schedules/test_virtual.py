@@ -147,7 +147,7 @@ def test_docs_show_what_the_simulator_says():
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parent.parent.parent
     spec = importlib.util.spec_from_file_location("schedules", root / "benchmarks" / "schedules.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
