@@ -6,8 +6,12 @@ and each rank trains one contiguous stage of it.
 The public API is what this module exports (``__all__``), plus
 ``keras_pipe.engine.timeline.PipelineTimeline``, ``keras_pipe.engine.tracing``,
 ``keras_pipe.schedules.schedule`` (schedules as plain data), ``keras_pipe.mpi.layout`` and
-``keras_pipe.schedules.cost`` (planning without MPI). Modules whose docstring starts
-with "Internal:" may change in any release.
+``keras_pipe.schedules.cost`` (planning without MPI); their paths before the
+packages (``keras_pipe.timeline``, ``.tracing``, ``.schedule``, ``.layout``,
+``.cost``, ``.devices``) are the same modules. The code is in six packages, one
+a layer (``model``, ``engine``, ``stage``, ``graph``, ``schedules``, ``mpi``: each
+package's docstring says what it holds and may import). Modules whose
+docstring starts with "Internal:" may change in any release.
 
 Importing keras_pipe communicates with no other rank (see
 :mod:`keras_pipe.mpi.runtime`). Run a script as ``mpirun -n P python -m
