@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import compat, replay
-from keras_pipe.backward import StageBackward, _distinct_bytes
+from keras_pipe.backward import StageBackward, _distinct_bytes, unbatched_spec
 from keras_pipe.batchnorm import DeferredBatchNormalization
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.gradients import GradientSum
@@ -76,6 +76,7 @@ class StageCompute(StageBackward, StageUpdate):
         self._programs: dict = {}
         self._groups: dict = {}  # optimizer id -> how its update is cut (update.py)
         self._checks: list | None = None  # while a checked program traces: (note, [min, max]) to verify
+        self._input_specs: list | None = None  # a training micro-batch's inputs, without a batch size
         self._kept: dict = {}  # micro-batch -> what its backward needs
         self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
         self.regularized_layers = list(layers) if regularized is None else list(regularized)
@@ -103,7 +104,8 @@ class StageCompute(StageBackward, StageUpdate):
         """What follows from the layers, their trainable flags and the masks: variables, split, steps."""
         self.trainable_variables = _unique(v for layer in self.layers for v in layer.trainable_weights)
         self.weight_bytes = self._weight_bytes()
-        self.gradients = GradientSum(self.trainable_variables, self._program)
+        self.gradients = GradientSum(self.trainable_variables, self._program, self.sparse_forms)
+        self._sparse_forms: dict | None = None
         self.has_weight_regularizers = any(
             v.regularizer is not None for layer in self.regularized_layers for v in layer.trainable_weights
         )
@@ -161,6 +163,8 @@ class StageCompute(StageBackward, StageUpdate):
 
     def _run(self, inputs, training: bool, keep: bool = False):
         """``(values, activity loss, kept inputs, seeds)`` of one forward of the stage's nodes."""
+        if training and self._input_specs is None:
+            self._input_specs = [unbatched_spec(v) for v in inputs]
         values = self._bind(inputs)
         if self.split:
             self._check_ids(values, self.calls)

@@ -83,12 +83,16 @@ class StepEnd:
         if self.reducer is not None:
             self.status.doing = f"train step {self.step}, {self.where}: summing gradients over replicas"
             began = time.perf_counter()
-            summed = self.reducer.sum(compute.gradients.result(), computed=compute.gradients.computed)
+            grads = compute.gradients.result()
+            forms = compute.sparse_forms() if any(isinstance(g, tf.IndexedSlices) for g in grads) else {}
+            summed = self.reducer.sum(grads, compute.gradients.computed, forms, compute.trainable_variables)
             self._span("allreduce", -1, began)
         if self.tied is not None:
             self.status.doing = f"train step {self.step}, {self.where}: summing the gradients of shared weights"
             began = time.perf_counter()
-            summed = self.tied.sum(summed if summed is not None else compute.gradients.result())
+            summed = self.tied.sum(
+                summed if summed is not None else compute.gradients.result(), compute.trainable_variables
+            )
             self._span("allreduce", -1, began)
         scale = None
         if needs_whole_model(batch):

@@ -77,7 +77,7 @@ class StageUpdate:
             if regularize:
                 regularizers = self._regularization_gradients(variables, regularized)
                 result = [
-                    tf.convert_to_tensor(g) + r * tf.cast(loss_scale, r.dtype) if v.regularizer is not None else g
+                    g if v.regularizer is None else _plus(g, r * tf.cast(loss_scale, r.dtype))
                     for g, r, v in zip(result, regularizers, variables)
                 ]
             return result
@@ -136,9 +136,7 @@ class StageUpdate:
             return loss, tape.gradient(scaled, self.trainable_variables)
 
         loss, grads = self._program("regularization_gradients", regularization)(tf.constant(loss_scale, tf.float32))
-        self.gradients.add(
-            [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
-        )
+        self.gradients.add(list(grads))  # (None for a weight without a regularizer: it adds nothing)
         return loss
 
     def regularization_loss(self) -> tf.Tensor:
@@ -182,7 +180,7 @@ class StageUpdate:
         each gradient, whether this stage counts it (a weight several stages
         hold is counted by one).
         """
-        grads = [g for g, c in zip(grads, counted or [True] * len(grads)) if c]
+        grads = [g for g, c in zip(grads, counted or [True] * len(grads)) if c and g is not None]
         if not grads:
             return 0.0
 
@@ -208,6 +206,12 @@ def apply_together(computes: list, optimizer, grads: list, scale: float | None =
 
 def _apply(compute, name: str, optimizer, variables: list, grads: list, scale: float | None) -> None:
     """``optimizer.apply(grads, variables)`` as ``compute``'s program ``name`` (``scaled_`` + ``name`` with a scale)."""
+
+    if all(g is None for g in grads):  # no weight here got a gradient: Keras' optimizer would raise for the
+        from keras_pipe.step_end import count_step  # whole model only; this stage's step is counted
+
+        count_step(optimizer)
+        return
 
     def update(*grads):
         optimizer.apply(list(grads), variables)
@@ -317,7 +321,14 @@ def _values(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
+def _plus(grad, dense):
+    """A gradient plus a dense one (a weight regularizer's): dense, as the tape adds them."""
+    return dense if grad is None else tf.convert_to_tensor(grad) + dense
+
+
 def _scaled(grad, scale):
+    if grad is None:
+        return None
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices, grad.dense_shape)
     return grad * tf.cast(scale, grad.dtype)
