@@ -98,7 +98,12 @@ class StageUpdate:
         weight_grads = self._weight_grads(positions, indices, regularize)
 
         def weights_and_update(inputs, grads, activity_scale, loss_scale):
-            optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), variables)
+            result = weight_grads(inputs, grads, activity_scale, loss_scale)
+            if all(g is None for g in result):  # (Keras' optimizer raises where no weight got a gradient)
+                if counted:
+                    optimizer.iterations.assign_add(1)
+                return
+            optimizer.apply(result, variables)
             if not counted:
                 optimizer.iterations.assign_sub(1)
 
