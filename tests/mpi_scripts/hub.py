@@ -23,6 +23,7 @@ stages).
 """
 
 import sys
+import warnings
 
 import keras
 import keras_hub
@@ -260,7 +261,8 @@ def mixtral(case):
     """A mixture of experts (top-2 routing over 4 experts), untied embeddings.
 
     Without the router's load-balancing loss: it is a product of two means over the batch's tokens, which no sum
-    over micro-batches gives (as batch normalization's statistics); the zoo (benchmarks/hub_zoo.py) shows it."""
+    over micro-batches gives (as batch normalization's statistics); with it, every rank warns at the first batch,
+    naming each layer that adds it (keras_pipe.probe.batch_loss_notes)."""
 
     def make():
         backbone = keras_hub.models.MixtralBackbone(
@@ -278,6 +280,26 @@ def mixtral(case):
 
     padding = (tokens != 0).astype("int32")
     compare(case, make, adamw_lm, {"token_ids": tokens, "padding_mask": padding}, shifted(tokens), num_microbatches=4)
+
+    # with the router's loss: a warning naming each decoder layer, on every rank, at the first batch
+    keras.utils.set_random_seed(11)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=DIM,
+        intermediate_dim=16,
+        num_experts=4,
+        top_k=2,
+    )
+    model = PipelineModel.from_model(keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None))
+    model.compile(**adamw_lm())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit({"token_ids": tokens, "padding_mask": padding}, shifted(tokens), batch_size=16, epochs=1, verbose=0)
+    notes = [str(w.message) for w in caught if "not a mean over the batch's rows" in str(w.message)]
+    assert [n.split()[0] for n in notes] == ["'transformer_layer_0'", "'transformer_layer_1'"], notes
 
 
 def vit(case):
