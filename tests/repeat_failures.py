@@ -5,7 +5,7 @@ CI every week, so this is checked by repetition, with other processes
 competing for the cores (the launcher must still forward what the failing rank
 wrote before the job is torn down).
 
-Usage: python tests/repeat_failures.py [--runs 21] [--load 2] [--stall | --collective]
+Usage: python tests/repeat_failures.py [--runs 21] [--load 2] [--stall | --collective | --matrix [--case C]]
 
 Each run is one of the tests' own functions, with its assertions: the failing
 rank's message shown, the job ended within 60 s. Prints one line per run and a
@@ -16,6 +16,9 @@ own assertions (its bound in seconds after the rank stops included). With
 ``--collective``, errors raised on every rank: one caught and raised anew
 (rank 0 hearing of the first late) and a damaged BackupAndRestore backup, which
 hung a CI run before each round of the check took one announcement a rank.
+With ``--matrix``, the fault matrix of ``test_failure_matrix.py`` (launch line x
+failure point x ranks) and the out-of-step calls of ``test_out_of_step.py``;
+``--case 2-python-script`` repeats one of its cases only.
 """
 
 import argparse
@@ -25,10 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+for folder in (TESTS, TESTS / "model", TESTS / "mpi"):  # (the tests of a package live in its folder)
+    sys.path.insert(0, str(folder))
 import test_bad_input  # noqa: E402
 import test_callbacks  # noqa: E402
 import test_failure  # noqa: E402
+import test_failure_matrix  # noqa: E402
+import test_out_of_step  # noqa: E402
 
 CASES = [
     ("callback", "boom from a callback on rank 2"),
@@ -50,6 +57,17 @@ COLLECTIVE = [
         lambda: (Path(tempfile.mkdtemp(prefix="repeat_backup_")),),  # (a fresh tmp_path each run)
     ),
 ]
+MATRIX = [(test_failure_matrix.test_a_failing_rank_ends_the_job_naming_itself, c) for c in test_failure_matrix.CASES]
+MATRIX += [
+    (test_out_of_step.test_ranks_in_different_collective_methods_raise_at_once_naming_both, ()),
+    (test_out_of_step.test_an_error_inside_a_call_on_one_rank_ends_the_job_naming_it, ()),
+]
+
+
+def case_name(test, args) -> str:
+    if args and not isinstance(args[0], str):
+        return "-".join(str(a).replace(" ", "") for a in args)  # (a matrix case: 2-python-script)
+    return args[0] if args and isinstance(args[0], str) else test.__name__.removeprefix("test_")[:40]
 
 
 def one_run(tests: list, run: int):
@@ -62,8 +80,7 @@ def one_run(tests: list, run: int):
         problem = None
     except AssertionError as error:
         problem = str(error)
-    name = args[0] if args and isinstance(args[0], str) else test.__name__.removeprefix("test_")[:40]
-    return name, problem, time.monotonic() - start
+    return case_name(test, args), problem, time.monotonic() - start
 
 
 def main() -> int:
@@ -73,8 +90,23 @@ def main() -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--stall", action="store_true", help="repeat the stall tests instead")
     which.add_argument("--collective", action="store_true", help="repeat errors raised on every rank instead")
+    which.add_argument("--matrix", action="store_true", help="repeat the fault matrix's cases instead")
+    parser.add_argument("--case", help="with --matrix: one case only, e.g. 2-python-script")
+    parser.add_argument(
+        "--table",
+        nargs="*",
+        metavar="RANKS-RUNNER-MODE",
+        help="launch these matrix cases (every combination if none) once each with the default timeouts and "
+        "print docs/failures.md's rows: seconds from the failure to the end, whether rank 1 was named",
+    )
     args = parser.parse_args()
-    tests = STALL if args.stall else COLLECTIVE if args.collective else FAIL_FAST
+    if args.table is not None:
+        return table(args.table, args.load)
+    tests = STALL if args.stall else COLLECTIVE if args.collective else MATRIX if args.matrix else FAIL_FAST
+    if args.case:
+        tests = [(test, case) for test, case in tests if case_name(test, case) == args.case]
+        if not tests:
+            parser.error(f"no case {args.case!r}: {', '.join(case_name(t, c) for t, c in MATRIX)}")
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     failures = []
     try:
@@ -90,6 +122,31 @@ def main() -> int:
     for run, output in failures:
         print(f"--- run {run + 1}:\n{output}")
     return 1 if failures else 0
+
+
+def table(cases: list[str], load: int) -> int:
+    """One launch per case with the default timeouts (KERAS_PIPE_START_TIMEOUT unset): a row of docs/failures.md."""
+    every = [
+        (n, runner, mode)
+        for runner in test_failure_matrix.RUNNERS
+        for mode in test_failure_matrix.MESSAGES
+        for n in (2, 3, 4)
+        if not (mode == "before-mpi" and runner == "python")  # (MPICH's ranks wait in MPI_Init: never ends)
+    ]
+    chosen = [c for c in every if not cases or case_name(None, c) in cases]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+    try:
+        for nprocs, runner, mode in chosen:
+            try:
+                launch, seconds, named = test_failure_matrix.failure_case(nprocs, runner, mode, start_timeout=None)
+                ended = f"{seconds:5.1f} s, exit {launch.returncode}"
+            except AssertionError as error:  # (the launch's own timeout)
+                ended, named = f"did not end: {str(error).splitlines()[0][:60]}", False
+            print(f"| `{runner}` | {mode} | {nprocs} | {ended} | {'yes' if named else 'NO'} |", flush=True)
+    finally:
+        for burner in burners:
+            burner.kill()
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,13 @@ def test_keras_hub_models_equal_the_unsplit_model(nprocs):
     # crossing three boundaries and GPT-2's tied embedding (GPT-2 on two ranks trains again in
     # test_saving.py, resumed there, equal to an uninterrupted run); two ranks also: the encoder and BERT
     # with two chunks a rank (ZB-V, interleaved 1F1B)
-    cases = {1: ["encoder", "decoder"], 2: ["bert", "chunked"], 4: ["encoder", "decoder", "gpt2"]}[nprocs]
+    # with AdamW, the forms of sparse gradients (issue 39): ViT (fixed position ids) and T5 (encoder-decoder) on
+    # two ranks, Llama (rotary, untied embeddings) and Mixtral (mixture of experts) on four
+    cases = {
+        1: ["encoder", "decoder"],
+        2: ["bert", "chunked", "vit", "t5"],
+        4: ["encoder", "decoder", "gpt2", "llama", "mixtral"],
+    }[nprocs]
     launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
     assert launch.returncode == 0, launch.output
     for case in cases:

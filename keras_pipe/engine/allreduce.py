@@ -7,7 +7,8 @@ gradient's memory through a read-only view and writes the sums into
 64-byte-aligned buffers (kept from step to step) that TensorFlow then reads
 as tensors without copying (DLPack); the last layers' all-reduces start
 first. Sparse gradients (``IndexedSlices``) are gathered, rows and indices,
-so the update sees the same slices as for the whole batch.
+and joined as :func:`keras_pipe.gradients.joined` joins micro-batches, so
+the update sees the same slices as for the whole batch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe.mpi.comm import Communicator, aligned_empty
+from keras_pipe.stage.gradients import FIXED, MIXED, ROWS, joined
 
 
 class ReplicaReducer:
@@ -25,14 +27,17 @@ class ReplicaReducer:
         self.comm = comm
         self._buffers: dict = {}
 
-    def sum(self, grads: list, computed: bool = True) -> list:
-        """``grads`` (tensors or ``IndexedSlices``) summed over the replicas, in the same order.
+    def sum(self, grads: list, computed: bool = True, forms: dict | None = None, like: list | None = None) -> list:
+        """``grads`` (tensors, ``IndexedSlices`` or ``None``) summed over the replicas, in the same order.
 
         ``computed=False``: this replica had no share of the batch (its
-        gradients are placeholder zeros).
+        gradients are placeholders). ``forms``: this replica's
+        :func:`~keras_pipe.gradients.lookup_form` of its sparse gradients;
+        ``like``: the variables (their shapes, for a replica that got no
+        gradient where another did).
         """
-        grads = self._agree_on_sparse(grads, computed)
-        dense = [(index, g) for index, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+        grads, sparse_forms = self._agree(grads, computed, forms or {}, like)
+        dense = [(index, g) for index, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
         results = list(grads)
         if dense:
             key = tuple((tuple(g.shape), g.dtype.name) for _, g in dense)
@@ -47,50 +52,74 @@ class ReplicaReducer:
                 results[index] = tf.experimental.dlpack.from_dlpack(buffer.__dlpack__())
         for index, grad in enumerate(grads):
             if isinstance(grad, tf.IndexedSlices):
-                results[index] = self._gather_slices(grad)
+                results[index] = joined(gathered_slices(self.comm, grad), sparse_forms[index], like and like[index])
         return results
 
-    def _agree_on_sparse(self, grads: list, computed: bool) -> list:
+    def _agree(self, grads: list, computed: bool, forms: dict, like) -> tuple[list, dict]:
         """Every replica's gradient of a variable in one form, so that all take the same collective.
 
-        A replica with no share holds zeros where the others hold slices: it
-        sends no slices. A replica whose sparse gradient has a dense part (a
-        weight regularizer's, which one replica counts) makes every replica's
-        dense, as ``Sequential``'s gradient of slices plus a dense term is.
-        One small all-reduce of the forms.
+        The form the whole batch's gradient has (:mod:`keras_pipe.gradients`):
+        dense where any replica's is dense (a weight regularizer's term, which
+        one replica counts, added to slices); else sparse where any replica's
+        is, a replica with no slices sending none, summed as the lookups'
+        forms say; else ``None``. A replica with no share of the batch holds
+        placeholders: it counts for nothing. One small all-reduce of the forms.
         """
-        sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
-        forms = np.array([computed and s for s in sparse] + [computed and not s for s in sparse], np.float64)
-        forms = self.comm.allreduce_sum(forms, "the other replicas of this stage (gradient allreduce)")
-        agreed = []
-        for grad, is_sparse, sparse_somewhere, dense_somewhere in zip(
-            grads, sparse, forms[: len(grads)], forms[len(grads) :]
-        ):
-            if dense_somewhere and is_sparse:
-                grad = tf.convert_to_tensor(grad)
-            elif sparse_somewhere and not dense_somewhere and not is_sparse:
-                grad = _no_slices(grad)
+        n = len(grads)
+        flags = np.zeros((4, n), np.float64)
+        for i, g in enumerate(grads):
+            if computed and g is not None:
+                sparse = isinstance(g, tf.IndexedSlices)
+                flags[0 if sparse else 1, i] = 1
+                flags[2, i] = sparse and forms.get(i) == FIXED
+                flags[3, i] = sparse and forms.get(i) == MIXED
+        flags = self.comm.allreduce_sum(flags.ravel(), "the other replicas of this stage (gradient allreduce)")
+        sparse_somewhere, dense_somewhere, fixed, mixed = flags.reshape(4, n)
+        agreed, sparse_forms = [], {}
+        for i, grad in enumerate(grads):
+            grad = grad if computed else None
+            if dense_somewhere[i]:
+                grad = _zeros(like[i]) if grad is None else tf.convert_to_tensor(grad)
+            elif sparse_somewhere[i]:
+                grad = _no_slices(like[i]) if grad is None or not isinstance(grad, tf.IndexedSlices) else grad
+                sparse_forms[i] = MIXED if mixed[i] else FIXED if fixed[i] else ROWS
+            else:
+                grad = None
             agreed.append(grad)
-        return agreed
+        return agreed, sparse_forms
 
     def sum_values(self, values: np.ndarray) -> np.ndarray:
         """A small float64 vector summed over the replicas (a count of the batch, say)."""
         return self.comm.allreduce_sum(values)
 
-    def _gather_slices(self, grad: tf.IndexedSlices) -> tf.IndexedSlices:
-        values = np.ascontiguousarray(grad.values.numpy())
-        indices = np.ascontiguousarray(grad.indices.numpy().astype(np.int64))
-        counts = [int(c) for c in self.comm.allgather_array(np.array([len(indices)], np.int64)).ravel()]
-        all_values = self.comm.allgather_rows(values, counts)
-        all_indices = self.comm.allgather_rows(indices, counts)
-        return tf.IndexedSlices(tf.convert_to_tensor(all_values), tf.convert_to_tensor(all_indices), grad.dense_shape)
+
+def gathered_slices(comm: Communicator, grad: tf.IndexedSlices) -> list[tf.IndexedSlices]:
+    """Every rank's ``IndexedSlices`` of one weight, in rank order (collective over ``comm``)."""
+    values = np.ascontiguousarray(grad.values.numpy())
+    indices = np.ascontiguousarray(grad.indices.numpy().astype(np.int64))
+    counts = [int(c) for c in comm.allgather_array(np.array([len(indices)], np.int64)).ravel()]
+    all_values = comm.allgather_rows(values, counts)
+    all_indices = comm.allgather_rows(indices, counts)
+    ends = np.cumsum(counts)
+    return [
+        tf.IndexedSlices(
+            tf.convert_to_tensor(all_values[end - count : end]),
+            tf.convert_to_tensor(all_indices[end - count : end]),
+            grad.dense_shape,
+        )
+        for count, end in zip(counts, ends)
+    ]
 
 
-def _no_slices(zeros) -> tf.IndexedSlices:
-    """No rows of a variable shaped like ``zeros``: a replica's sparse gradient when it had no share."""
-    shape = tuple(zeros.shape)
+def _zeros(variable) -> tf.Tensor:
+    return tf.zeros(variable.shape, variable.dtype)
+
+
+def _no_slices(variable) -> tf.IndexedSlices:
+    """No rows of ``variable``: a rank's sparse gradient where it looked up nothing."""
+    shape = tuple(variable.shape)
     return tf.IndexedSlices(
-        tf.zeros((0,) + shape[1:], zeros.dtype), tf.zeros((0,), tf.int64), tf.constant(shape, tf.int64)
+        tf.zeros((0,) + shape[1:], variable.dtype), tf.zeros((0,), tf.int64), tf.constant(shape, tf.int64)
     )
 
 
@@ -154,13 +183,33 @@ class TiedReducer:
             return None
         return cls(groups, counted)
 
-    def sum(self, grads: list) -> list:
-        """``grads`` with every shared weight's gradient summed over the stages holding it (dense)."""
+    def sum(self, grads: list, like: list) -> list:
+        """``grads`` with every shared weight's gradient summed over the stages holding it, in Keras' form.
+
+        Each stage's use of the weight is one more use of it in the whole
+        model, as the tape sees them: dense where any stage's gradient is
+        dense; else the stages' slices joined (in stage order); ``None`` where
+        no stage's use reached the loss. ``like``: the variables.
+        """
         results = list(grads)
         for comm, positions in self.groups:
-            arrays = [np.array(tf.convert_to_tensor(results[p]).numpy(), copy=True) for p in positions]
+            what = "the other stages holding a shared weight (gradient allreduce)"
+            flags = np.zeros((2, len(positions)), np.float64)
+            for k, p in enumerate(positions):
+                if results[p] is not None:
+                    flags[0 if isinstance(results[p], tf.IndexedSlices) else 1, k] = 1
+            sparse_somewhere, dense_somewhere = comm.allreduce_sum(flags.ravel(), what).reshape(2, -1)
+            dense = [p for k, p in enumerate(positions) if dense_somewhere[k]]
+            arrays = [
+                np.array(tf.convert_to_tensor(results[p] if results[p] is not None else _zeros(like[p])), copy=True)
+                for p in dense
+            ]
             requests = comm.start_allreduce_sum(arrays)
-            comm.wait_all(requests, "the other stages holding a shared weight (gradient allreduce)")
-            for p, array in zip(positions, arrays):
+            comm.wait_all(requests, what)
+            for p, array in zip(dense, arrays):
                 results[p] = tf.convert_to_tensor(array)
+            for k, p in enumerate(positions):
+                if sparse_somewhere[k] and not dense_somewhere[k]:
+                    mine = results[p] if results[p] is not None else _no_slices(like[p])
+                    results[p] = joined(gathered_slices(comm, mine), ROWS, like[p])
         return results

@@ -312,7 +312,9 @@ class Engine:
             sample = [rows(t, 0, first) for t in x]
         self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
         parts = [(chunk.compute.stage, chunk.compute.calls, chunk.links) for chunk in self.chunks]
-        measured = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
+        measured, notes = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
+        for note in notes:  # (the same on every rank)
+            warnings.warn(note, stacklevel=2)
         problems = probe.differences(self.cut.graph, measured)
         if problems:
             raise PipelineConfigError(

@@ -18,6 +18,14 @@ stages then share what each tensor carried.
 From then on a tensor whose mask differs from what was measured is an error
 naming it (:meth:`keras_pipe.stage.compute.StageCompute._crossing`), never a
 silent drop.
+
+The same forward checks, once, what micro-batching assumes of the losses a
+layer adds in ``call()`` when training (``add_loss``: activity
+regularization, a mixture of experts' load-balancing loss): that the
+batch's is the mean of its rows', so that micro-batches weighed by their
+rows add up to it. A layer whose loss on the micro-batch is not its halves'
+mean (Mixtral's router loss, a product of two means over the tokens) is
+named in a warning on every rank (:func:`batch_loss_notes`).
 """
 
 from __future__ import annotations
@@ -58,10 +66,15 @@ def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = Fa
     for _, _, part_links in parts[:1]:
         if part_links is not None:
             part_links.comm.flush()
-    merged = {}
+    merged, notes = {}, []
     for part in pipeline.allgather_json(found) if pipeline.size > 1 else [found]:
+        notes += part.pop(NOTES, [])
         merged.update(part)
-    return {int(t): (tuple(shape), None if mask is None else tuple(mask)) for t, (shape, mask) in merged.items()}
+    measured = {int(t): (tuple(shape), None if mask is None else tuple(mask)) for t, (shape, mask) in merged.items()}
+    return measured, notes
+
+
+NOTES = "notes"  # (the key of a stage's batch-loss notes beside its tensors' numbers)
 
 
 def _measure_stage(stage, calls, links, sample, eager: bool) -> dict:
@@ -80,12 +93,84 @@ def _measure_stage(stage, calls, links, sample, eager: bool) -> dict:
         if t in computed:
             mask = masks.get(t)
             found[str(t)] = [list(value.shape), None if mask is None else list(mask.shape)]
+    notes = batch_loss_notes(calls, values)
+    if notes:
+        found[NOTES] = notes
     for crossing in stage.sends:
         value, mask = values[crossing.tensor], masks.get(crossing.tensor)
         outgoing = value if mask is None else Masked(value, mask)
         for destination in crossing.destinations:
             links.send_described(outgoing, destination)
     return found
+
+
+def batch_loss_notes(calls, values: dict, rtol: float = 1e-4) -> list[str]:
+    """The layers among ``calls`` whose losses added in a training ``call()`` are not a mean over their rows.
+
+    Each layer that adds any is called on the micro-batch (real ``values``)
+    and on its two halves, in training mode, its state (moving statistics,
+    random generators) put back after each call; the pipeline weighs each
+    micro-batch's loss by its rows, which is right where the batch's loss is
+    its halves' mean, weighed by their rows.
+    """
+    notes = []
+    for call in calls:
+        layer = call.layer
+        if layer is None or not call.inputs:
+            continue
+        rows = _rows(values[call.inputs[0]])
+        if rows is None or rows < 2:
+            continue
+        # what a training call may move (moving statistics, generators' states), not a frozen layer's weights
+        state = [v for v in layer.non_trainable_variables if not v.trainable]
+        saved = [tf.identity(v) for v in state]
+        parts = [(0, rows), (0, rows // 2), (rows // 2, rows)]
+        losses = []
+        try:
+            for begin, end in parts:
+                sliced = {t: _slice(values[t], begin, end, rows) for t in call.inputs}
+                call(sliced, training=True)
+                own = [loss for sub in compat.sublayers(layer) for loss in compat.own_losses(sub)]
+                if not own:
+                    break
+                losses.append(float(sum(tf.reduce_sum(tf.cast(loss, tf.float64)) for loss in own)))
+        except Exception:  # noqa: BLE001 (a layer that cannot be called on part of the rows is not checked here)
+            losses = []
+        finally:
+            for variable, value in zip(state, saved):
+                variable.assign(value)
+        if len(losses) != 3:
+            continue
+        whole, first, second = losses
+        half = rows // 2
+        mean = (half * first + (rows - half) * second) / rows
+        if abs(whole - mean) > rtol * max(abs(whole), abs(mean), 1e-12):
+            randomly = " (or it draws random numbers)" if compat.seed_generators(layer) else ""
+            notes.append(
+                f"{layer.name!r} ({type(layer).__name__}) adds a loss in call() that is not a mean over the batch's "
+                f"rows{randomly}: {whole:.6g} on {rows} rows, where its halves' mean is {mean:.6g}. Each "
+                "micro-batch adds its own, so the pipeline's loss and gradients differ from the unsplit model's "
+                "(as a mixture of experts' load-balancing loss computed per micro-batch). Use num_microbatches=1 "
+                "for the unsplit model's training, or accept the per-micro-batch loss."
+            )
+    return notes
+
+
+def _rows(value):
+    value = value.tensor if isinstance(value, Masked) else value
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else None
+
+
+def _slice(value, begin: int, end: int, rows: int):
+    """``value``'s rows ``begin:end`` with its Keras mask's, where it has ``rows`` rows (else as it is)."""
+    if _rows(value) != rows:
+        return value
+    mask = compat.get_mask(value)
+    part = tf.identity(value[begin:end])
+    if mask is not None:
+        compat.set_mask(part, mask[begin:end])
+    return part
 
 
 def _forward(stage, calls):

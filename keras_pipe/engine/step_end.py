@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe.engine.batch import Batch, StepResult
-from keras_pipe.stage.update import apply_together, separable
+from keras_pipe.stage.update import apply_together, count_step, separable
 
 
 class StepEnd:
@@ -80,12 +80,16 @@ class StepEnd:
         if self.reducer is not None:
             self.status.doing = f"train step {self.step}, {self.where}: summing gradients over replicas"
             began = time.perf_counter()
-            summed = self.reducer.sum(compute.gradients.result(), computed=compute.gradients.computed)
+            grads = compute.gradients.result()
+            forms = compute.sparse_forms() if any(isinstance(g, tf.IndexedSlices) for g in grads) else {}
+            summed = self.reducer.sum(grads, compute.gradients.computed, forms, compute.trainable_variables)
             self._span("allreduce", -1, began)
         if self.tied is not None:
             self.status.doing = f"train step {self.step}, {self.where}: summing the gradients of shared weights"
             began = time.perf_counter()
-            summed = self.tied.sum(summed if summed is not None else compute.gradients.result())
+            summed = self.tied.sum(
+                summed if summed is not None else compute.gradients.result(), compute.trainable_variables
+            )
             self._span("allreduce", -1, began)
         scale = None
         if needs_whole_model(batch):
@@ -159,28 +163,6 @@ def needs_whole_model(batch: Batch) -> bool:
     """
     optimizer = batch.optimizer
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or bool(_global_clipnorm(optimizer))
-
-
-def count_step(optimizer, finite: bool = True) -> None:
-    """What an update does to the optimizer's counters, on a stage with no weights to update.
-
-    Every stage's ``optimizer.iterations`` then counts the model's steps (as
-    callbacks and learning-rate schedules read it), and a ``LossScaleOptimizer``
-    grows or lowers its scale as on the other stages (``finite``: whether every
-    stage's gradients were), as ``keras/src/optimizers/loss_scale_optimizer.py`` does.
-    """
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # (built by the step, as on every stage)
-        if not finite:
-            optimizer.step_counter.assign(0)
-            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
-            return
-        if int(optimizer.step_counter) == optimizer.dynamic_growth_steps - 1:
-            optimizer.step_counter.assign(0)
-            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
-        else:
-            optimizer.step_counter.assign_add(1)
-        optimizer = optimizer.inner_optimizer
-    optimizer.iterations.assign_add(1)
 
 
 def _global_clipnorm(optimizer):

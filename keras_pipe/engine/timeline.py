@@ -7,7 +7,9 @@ micro-batch; at the end of training rank 0 gathers the spans and writes
 
 - a Chrome trace JSON (open it in https://ui.perfetto.dev or
   ``chrome://tracing``), one row per rank, and
-- a PNG Gantt chart (matplotlib), next to it,
+- a PNG Gantt chart (matplotlib, the ``timeline`` extra), next to it: without
+  matplotlib the callback warns when it is created and writes the trace alone
+  (``png=True`` makes it an error at creation instead),
 
 and prints the measured bubble fraction next to the theoretical
 ``(P - 1) / (m + P - 1)``. Without the callback nothing is recorded.
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 import keras
+from mpi4py import MPI
 
 from keras_pipe.engine.tracing import SpanRecorder
 from keras_pipe.mpi.comm import Communicator
@@ -57,10 +61,27 @@ class PipelineTimeline(keras.callbacks.Callback):
             to the same path with ``.png``.
         steps: global training step numbers to record (counted from 0 over
             all epochs of this ``fit``).
+        png: whether to draw the chart: ``None`` (default) draws it where
+            matplotlib is installed and warns at creation where it is not;
+            ``True`` raises :class:`~keras_pipe.PipelineConfigError` at creation
+            without matplotlib; ``False`` writes the trace alone.
     """
 
-    def __init__(self, path, steps: Iterable[int] = (2,)):
+    def __init__(self, path, steps: Iterable[int] = (2,), png: bool | None = None):
         super().__init__()
+        from keras_pipe import optional
+
+        if png is None:
+            png = optional.missing("matplotlib") is None
+            if not png and MPI.COMM_WORLD.Get_rank() == 0:  # (said once, by the rank that writes)
+                warnings.warn(
+                    f"PipelineTimeline: matplotlib is not installed, so only the trace ({path}) will be written, "
+                    f"not the chart: {optional.install_line('matplotlib')}",
+                    stacklevel=2,
+                )
+        elif png:
+            optional.require("matplotlib", "PipelineTimeline(png=True)")
+        self.png = bool(png)
         self.path = Path(path)
         self.steps = set(int(s) for s in steps)
         self.events: list = []
@@ -100,7 +121,8 @@ class PipelineTimeline(keras.callbacks.Callback):
         if comm.rank == 0 and any(everyone):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(chrome_trace(everyone)))
-            gantt_chart(everyone, self.path.with_suffix(".png"), name, m)
+            if self.png:
+                gantt_chart(everyone, self.path.with_suffix(".png"), name, m)
             print(
                 f"PipelineTimeline: {model.num_stages} stages, {m} micro-batches, {name}: bubble "
                 f"{100 * self.bubble:.1f}% measured, {100 * self.theoretical_bubble:.1f}% in theory "

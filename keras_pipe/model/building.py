@@ -24,6 +24,7 @@ from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import graph as graphs
 from keras_pipe.model import weights as _weights
+from keras_pipe.mpi.failure import collective
 
 
 class ModelBuilding:
@@ -258,6 +259,7 @@ class ModelBuilding:
             self._call_dtypes = keras.tree.map_structure(_dtype, args[0])
         return super().__call__(*args, **kwargs)
 
+    @collective  # (eager, on several ranks: agreed on entry; one rank's error is raised on all or ends the job)
     def call(self, inputs, training=None):
         """The whole model on ``inputs``: in one process as the unsplit model; on several, pipelined (collective).
 

@@ -25,6 +25,7 @@ from keras_pipe.errors import PipelineIOError
 from keras_pipe.model.saving import on_root, write_weights
 from keras_pipe.mpi.comm import Communicator
 from keras_pipe.mpi.files import copy, write_text
+from keras_pipe.optional import check_callbacks
 
 _WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
 
@@ -33,6 +34,7 @@ def adapt_callbacks(callbacks, comm: Communicator):
     """The callbacks this rank runs (see the module docstring)."""
     if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
+    check_callbacks(callbacks)  # (on every rank: a writer's missing package is everyone's error, before training)
     kept = []
     for callback in callbacks:
         if isinstance(callback, _WRITERS) and comm.rank != 0:

@@ -72,7 +72,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         layers: the layers of a chain, in order; a leading ``keras.Input``
             fixes the input shape (otherwise it is taken from the first batch).
         inputs, outputs: instead of ``layers``, the model's graph, as
-            ``keras.Model(inputs, outputs)`` takes it.
+            ``keras.Model(inputs, outputs)`` takes it (``PipelineModel(inputs,
+            outputs)`` too: given ``outputs``, the first argument is the inputs).
         num_microbatches: micro-batches per batch. ``None`` means
             ``2 * number of stages`` (1 on one rank).
         balance: nodes per stage (e.g. ``[2, 3, 2]``; for a chain, layers);
@@ -126,9 +127,9 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
     def __init__(
         self,
         layers: Sequence[Any] | None = None,
+        outputs=None,
         *,
         inputs=None,
-        outputs=None,
         num_microbatches: int | None = None,
         balance: Sequence[int] | str | None = None,
         split_before: Sequence[str] | None = None,
@@ -172,6 +173,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self._pipeline_logs = None
         self._probe_rows = None
         self._call_dtypes = None
+        if outputs is not None and inputs is None and layers is not None:
+            inputs, layers = layers, None  # PipelineModel(inputs, outputs), as keras.Model(inputs, outputs)
         if inputs is not None or outputs is not None:
             if layers is not None:
                 raise PipelineConfigError("give either a list of layers or inputs= and outputs=, not both.")
@@ -195,6 +198,15 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         source = getattr(self, "_source", None)
         for layer in getattr(self, "_pipeline_layers", None) or (source.layers if source is not None else []):
             layer.trainable = bool(value)
+
+    @property
+    def output_names(self):
+        """The names of the layers that make the outputs, as a Functional model's (``compile``'s dict keys).
+
+        ``None`` until the model's graph is known (a chain before its first use), as a ``Sequential``'s.
+        """
+        source = getattr(self, "_source", None)
+        return None if source is None or not self._from_graph else list(source.output_names)
 
     def _lock_state(self):
         # As Functional's: a pipeline's tracked stage layers change when a one-rank model is rebuilt.

@@ -40,26 +40,48 @@ def start_entry_agreement(world) -> None:
     atexit.register(_finished)
 
 
+_entered = 0  # collective methods this rank has entered (outermost), for the mismatch's message
+
+
 def agree_on_entry(what: str) -> None:
-    """Every rank says which collective method it entered; raises on every rank unless all entered ``what``."""
+    """Every rank says which collective method it entered, and its count; raises on every rank unless all agree.
+
+    One small all-gather per call of a collective method (not per step), on
+    a communicator of its own: a rank still inside the previous call's
+    messages (one rank raised early in it, the script caught it and went
+    on) meets the others here, not in a step's messages, and both raise
+    naming where each is ("ranks [0]: 'predict()'; ranks [1]: 'call()' (the call's number, ...: rank 0: 4,
+    rank 1: 4)"): never a message of one collective read as another's.
+    """
+    global _entered
     if _entries is None:
         return
-    _entries.doing = f"entering {what}"
-    called = _entries.allgather_json(what)
-    if all(c == what for c in called):
+    _entered += 1
+    _agree(what, _entered)
+
+
+def _agree(what: str, count: int) -> None:
+    _entries.doing = f"entering {what}" + (f" (collective call {count})" if count else "")
+    called = _entries.allgather_json([what, count])
+    if all(c == called[0] for c in called):
         return
+    places = ranks_by_value([w for w, _ in called])
+    counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(called) if n)
     raise RankMismatchError(
-        f"the ranks called different collective methods: {ranks_by_value(called)}. The methods of a "
-        "PipelineModel that communicate (fit, evaluate, predict, save, save_weights, load_weights, get_weights, "
-        "set_weights, to_sequential, summary, count_params) must be called on every rank, in the same order: "
-        "call them outside any `if rank == 0:` (rank 0 alone writes the files)."
+        f"the ranks called different collective methods: {places} (the call's number, counting each rank's "
+        f"collective calls: {counts or 'none'}). The methods of a "
+        "PipelineModel that communicate (fit, evaluate, predict, calling it, save, save_weights, load_weights, "
+        "get_weights, set_weights, to_sequential, summary, count_params) must be called on every rank, in the "
+        "same order: call them outside any `if rank == 0:` (rank 0 alone writes the files), and do not let one "
+        "rank go on past an error the others did not raise (a try/except around a call on one rank)."
     )
 
 
 def _finished() -> None:
     """At exit: tells any rank still waiting in a collective method that this one finished its script."""
     try:
-        agree_on_entry("the end of the script")
+        if _entries is not None:
+            _agree("the end of the script", 0)
     except RankMismatchError as error:
         sys.stderr.write(f"[keras_pipe] rank {MPI.COMM_WORLD.Get_rank()} finished its script, but {error}\n")
         sys.stderr.flush()

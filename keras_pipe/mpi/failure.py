@@ -30,6 +30,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
+from keras_pipe.errors import PipelineStallError
 from keras_pipe.mpi import comm as _comm
 from keras_pipe.mpi import stall as _stall
 from keras_pipe.mpi.agreement import agree_on_entry
@@ -78,6 +79,12 @@ def verify(error: BaseException) -> tuple[bool, bool]:
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return True, True
+    if isinstance(error, PipelineStallError):
+        # One rank's verdict, reached after asking every other rank: no other raises it at this point, and
+        # the rank it names may never answer (a rank that failed before keras_pipe sits in MPI_Finalize).
+        # Waiting for answers here is what kept a two-rank job alive for the stall timeout: with three
+        # ranks the third answered "went on", with two nobody could.
+        return False, False
     process = _stall.PROCESS
     digest = int(np.frombuffer(hashlib.blake2b(_text(error).encode(), digest_size=8).digest(), np.int64)[0])
     mine = np.array([process.collectives, int(process.in_step), digest], np.int64)
@@ -96,7 +103,7 @@ def verify(error: BaseException) -> tuple[bool, bool]:
 def _hear_from_the_others(world, process, mine, digest) -> tuple[bool, bool]:
     size, rank = world.Get_size(), world.Get_rank()
     sends = [world.Isend(mine, dest=r, tag=_stall.TAG_FAILED) for r in range(size) if r != rank]
-    deadline = time.monotonic() + _stall.stall_timeout_from_env()
+    deadline = time.monotonic() + _answer_timeout(process)
     outcome = (False, False)
     status = MPI.Status()
     reporter = _comm.Communicator() if process.peers else None
@@ -122,6 +129,17 @@ def _hear_from_the_others(world, process, mine, digest) -> tuple[bool, bool]:
         for request in sends:
             request.Wait()
     return outcome
+
+
+def _answer_timeout(process) -> float:
+    """How long a failing rank waits for the others' answers: the stall timeout, the start timeout before the ranks met.
+
+    Before the first rendezvous a silent rank may never answer (it failed
+    before importing keras_pipe, or is stuck in ``MPI_Init``); the others
+    reach their first wait within the start timeout.
+    """
+    timeout = _stall.stall_timeout_from_env()
+    return timeout if process.met else min(timeout, _stall.start_timeout_from_env())
 
 
 def _text(error: BaseException) -> str:

@@ -205,6 +205,7 @@ class _SharedState:
     def __init__(self):
         self.collectives = 0  # collectives of every rank of the job completed here (see failure.verify)
         self.in_step = False  # inside a step's actions (messages in flight)
+        self.met = False  # whether the ranks have met once (topology.connect's first rendezvous)
         # rank -> its announcements not yet answered, oldest first: [collectives, in step, error digest] each.
         # A queue, not the latest: a rank whose collective error is caught and raised anew (a callback
         # wrapping load_weights' error) announces twice, and its second may arrive while this rank still

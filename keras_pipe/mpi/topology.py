@@ -24,7 +24,7 @@ from keras_pipe.errors import RankMismatchError
 from keras_pipe.mpi.agreement import ranks_by_value
 from keras_pipe.mpi.comm import Communicator
 from keras_pipe.mpi.layout import Layout, host_name
-from keras_pipe.mpi.stall import start_timeout_from_env
+from keras_pipe.mpi.stall import PROCESS, start_timeout_from_env
 
 _met = False  # whether this process's ranks have met once (the first rendezvous has its own timeout)
 
@@ -46,7 +46,7 @@ def connect(num_stages: int | None = None, stall_timeout: float | None = None) -
     mine = [host_name(), num_stages, os.getpid()]
     timeout = None if _met else min(world.stall_timeout, start_timeout_from_env())
     everyone = world.allgather_json(mine, timeout=timeout) if world.size > 1 else [mine]
-    _met = True
+    _met = PROCESS.met = True
     world.set_peers([(host, pid) for host, _, pid in everyone])
     check_same_num_stages([stages for _, stages, _ in everyone])
     layout = Layout.from_hosts([host for host, _, _ in everyone], num_stages)

@@ -24,7 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe.errors import PipelineConfigError
 from keras_pipe.stage import replay
+from keras_pipe.stage.gradients import lookup_form
 from keras_pipe.stage.masked import Masked
 from keras_pipe.stage.update import variable_nbytes
 
@@ -54,6 +56,40 @@ class StageBackward:
             if t in self.gradient_inputs:
                 sources.append(value.tensor if isinstance(value, Masked) else value)
         return sources
+
+    def sparse_forms(self) -> dict:
+        """``{position: form}`` of the trainable variables whose gradient is sparse (see :mod:`keras_pipe.gradients`).
+
+        Read once from the stage's forward and gradient traced (never run)
+        on inputs without a batch size: the count of a lookup's slices is
+        then known only where its ids do not come from the batch.
+        """
+        if self._sparse_forms is None:
+            if self._input_specs is None:
+                raise PipelineConfigError("a sparse gradient before any training forward (a bug in keras_pipe)")
+            forms = {}
+
+            def trace(inputs):
+                with tf.GradientTape() as tape:
+                    values, total, _, _ = self._run(inputs, True)
+                    for t in self.stage.outputs:
+                        if values[t].dtype.is_floating:
+                            total += tf.reduce_sum(tf.cast(values[t], tf.float32))
+                grads = tape.gradient(total, self.trainable_variables)
+                sparse = [(i, g) for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+                forms.update({i: lookup_form(g.indices) for i, g in sparse})
+                return tf.constant(0)
+
+            try:
+                tf.function(trace, autograph=False).get_concrete_function(self._input_specs)
+            except Exception as error:  # noqa: BLE001 (any layer's error while tracing without a batch size)
+                raise PipelineConfigError(
+                    f"stage {self.stage.index} gives an embedding a sparse gradient over several micro-batches, and "
+                    "how its slices add up is read from the stage traced without a batch size, which failed "
+                    f"({type(error).__name__}: {str(error)[:300]}). Use num_microbatches=1."
+                ) from error
+            self._sparse_forms = forms
+        return self._sparse_forms
 
     # -- backward -----------------------------------------------------------
 
@@ -141,9 +177,9 @@ class StageBackward:
         output_grads = list(grads) + [tf.constant(activity_scale, tf.float32)]
         all_grads = tape.gradient(outputs, sources, output_gradients=output_grads)
         del tape, outputs  # the activations this micro-batch kept
-        all_grads = [tf.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(all_grads, sources)]
-        self.gradients.add(all_grads[len(sources_in) :])
-        return all_grads[: len(sources_in)] if self.gradient_inputs else None
+        self.gradients.add(all_grads[len(sources_in) :])  # (None where a weight got no gradient, as in Keras)
+        dx = [tf.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(all_grads[: len(sources_in)], sources_in)]
+        return dx if self.gradient_inputs else None
 
     def _hold(self, i: int, parts) -> None:
         """Keeps micro-batch ``i``'s ``parts`` for its ``W``; the first one's size says what holding costs."""
@@ -263,6 +299,18 @@ def _filled_from_kept(dx, kept, compute) -> list:
     for step, step_inputs in zip(compute.steps, kept):
         like.update(zip(step.inputs, step_inputs))
     return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, compute.gradient_inputs)]
+
+
+def unbatched_spec(value):
+    """The type of a micro-batch's input without its batch size (a tensor, a sparse one, a masked one)."""
+    if isinstance(value, Masked):
+        return Masked(unbatched_spec(value.tensor), unbatched_spec(value.mask))
+    if isinstance(value, tf.SparseTensor):
+        return tf.SparseTensorSpec([None] + list(value.shape[1:]), value.dtype)
+    if isinstance(value, tf.RaggedTensor):
+        return tf.RaggedTensorSpec([None] + list(value.shape[1:]), value.dtype, value.ragged_rank)
+    value = tf.convert_to_tensor(value)
+    return tf.TensorSpec([None] + list(value.shape[1:]) if value.shape.rank else [], value.dtype)
 
 
 def _distinct_bytes(tensors) -> int:

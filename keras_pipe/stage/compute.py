@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.stage import replay
-from keras_pipe.stage.backward import StageBackward, _distinct_bytes
+from keras_pipe.stage.backward import StageBackward, _distinct_bytes, unbatched_spec
 from keras_pipe.stage.batchnorm import DeferredBatchNormalization
 from keras_pipe.stage.gradients import GradientSum
 from keras_pipe.stage.masked import Masked
@@ -77,6 +77,7 @@ class StageCompute(StageBackward, StageUpdate):
         self._programs: dict = {}
         self._groups: dict = {}  # optimizer id -> how its update is cut (update.py)
         self._checks: list | None = None  # while a checked program traces: (note, [min, max]) to verify
+        self._input_specs: list | None = None  # a training micro-batch's inputs, without a batch size
         self._kept: dict = {}  # micro-batch -> what its backward needs
         self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
         self.regularized_layers = list(layers) if regularized is None else list(regularized)
@@ -104,7 +105,8 @@ class StageCompute(StageBackward, StageUpdate):
         """What follows from the layers, their trainable flags and the masks: variables, split, steps."""
         self.trainable_variables = _unique(v for layer in self.layers for v in layer.trainable_weights)
         self.weight_bytes = self._weight_bytes()
-        self.gradients = GradientSum(self.trainable_variables, self._program)
+        self.gradients = GradientSum(self.trainable_variables, self._program, self.sparse_forms)
+        self._sparse_forms: dict | None = None
         self.has_weight_regularizers = any(
             v.regularizer is not None for layer in self.regularized_layers for v in layer.trainable_weights
         )
@@ -162,6 +164,8 @@ class StageCompute(StageBackward, StageUpdate):
 
     def _run(self, inputs, training: bool, keep: bool = False):
         """``(values, activity loss, kept inputs, seeds)`` of one forward of the stage's nodes."""
+        if training and self._input_specs is None:
+            self._input_specs = [unbatched_spec(v) for v in inputs]
         values = self._bind(inputs)
         if self.split:
             self._check_ids(values, self.calls)

@@ -1,17 +1,40 @@
-"""Internal: a step's weight gradients, summed over its micro-batches in a fixed order.
+"""Internal: a step's weight gradients, summed over its micro-batches, in the form Keras' own step gives them.
 
-Dense gradients are summed in place, in micro-batch order (g0, then + g1,
-+ g2, ...), so every schedule sums identically. A first gradient is kept as
-it is, without a copy: with one micro-batch (or one batched ``W``) nothing
-is ever accumulated. Sparse gradients (``tf.IndexedSlices``, from an
-``Embedding``) stay sparse: their slices are concatenated, which is what
-``keras.Sequential`` hands the optimizer for the whole batch, so optimizers
-that treat sparse gradients differently (Adam) update as they do there.
+The optimizer must see each weight's gradient in the form
+``keras.Model.train_step`` hands it for the whole batch (TensorFlow's tape
+decides it), not only with its value: Keras' TensorFlow optimizers update
+an ``IndexedSlices`` gradient slice by slice (Adam squares each slice, then
+adds the squares of an id's slices), so an optimizer that is not linear in
+the gradient tells two forms of one sum apart. The forms, and how each is
+kept here and in :mod:`keras_pipe.allreduce`:
+
+- ``None``: no use of the weight reached the loss. Keras' optimizer skips
+  the weight (no step, no decay, its slots untouched), so it stays ``None``.
+- dense (a tensor): any dense use of a weight makes its whole gradient dense
+  (the tape adds the uses' gradients). Summed in place, in micro-batch order
+  (g0, then + g1, + g2, ...), so every schedule sums identically; a first
+  gradient is kept as it is, without a copy.
+- sparse (``tf.IndexedSlices``, an ``Embedding``'s lookups and no dense use):
+  one slice per id looked up, by each lookup (the tape joins the lookups'
+  slices). Across micro-batches that depends on where a lookup's ids come
+  from (:data:`ROWS`, :data:`FIXED`), which :func:`lookup_form` reads from
+  the stage's graph traced without a batch size.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
+
+from keras_pipe.errors import PipelineConfigError
+
+ROWS = "rows"
+"""A lookup whose ids are read from the batch's rows: the batch's slices are its micro-batches' slices, joined."""
+FIXED = "fixed"
+"""A lookup whose ids are known without the batch (ViT's positions, T5's relative buckets): the whole batch has
+one slice per id, whose value is the sum of the micro-batches' slices of that id."""
+MIXED = "mixed"
+"""A weight looked up both ways on one stage: its slices cannot be told apart once joined (refused)."""
 
 
 class GradientSum:
@@ -20,13 +43,18 @@ class GradientSum:
     Args:
         variables: the stage's trainable variables, in order.
         program: ``(key, function) -> callable``, compiling the additions.
+        forms: ``() -> {position: ROWS | FIXED | MIXED}`` of the sparse
+            gradients, asked only where a sparse gradient has several parts
+            (default: every lookup's ids come from the batch, ``ROWS``).
     """
 
-    def __init__(self, variables, program):
+    def __init__(self, variables, program, forms=None):
         self.variables = list(variables)
         self._program = program
+        self._forms = forms
         self._accumulators: list | None = None
-        self._sparse_positions: list[int] = []
+        self._sparse_positions: list[int] = []  # (set while a program traces: see add_in_graph)
+        self._dense_positions: list[int] = []
         self.reset()
 
     def reset(self) -> None:
@@ -34,6 +62,7 @@ class GradientSum:
         self._direct: list | None = None  # the first gradients, not yet copied anywhere
         self._accumulated = False  # whether the accumulators hold the sum
         self._sparse: dict[int, list] = {}
+        self._dense: set[int] = set()  # the positions given a dense gradient (the rest hold placeholder zeros)
 
     @property
     def empty(self) -> bool:
@@ -45,11 +74,14 @@ class GradientSum:
         return not self.empty or bool(self._sparse)
 
     def add(self, grads: list) -> None:
-        """Adds one micro-batch's (or one ``W``'s) gradients, eagerly."""
-        dense = [self._take_sparse(i, g) for i, g in enumerate(grads)]
+        """Adds one micro-batch's (or one ``W``'s) gradients (``None`` where a weight got none), eagerly."""
+        dense = [self._take(i, g) for i, g in enumerate(grads)]
         if self.empty:
             self._direct = dense
             return
+        self._accumulate(dense)
+
+    def _accumulate(self, dense: list) -> None:
         self._ensure_accumulators()
         if self._direct is not None:
             first, self._direct = self._direct, None
@@ -67,7 +99,7 @@ class GradientSum:
         and, measured, tens of MiB of a rank's peak memory.
         """
         if self._direct is not None:
-            self.add([tf.zeros(v.shape, v.dtype) for v in self.variables])
+            self._accumulate([tf.zeros(v.shape, v.dtype) for v in self.variables])
         self._ensure_accumulators()
         return tf.constant(not self._accumulated)
 
@@ -78,6 +110,7 @@ class GradientSum:
         :meth:`added` after it.
         """
         self._sparse_positions = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        self._dense_positions = [i for i, g in enumerate(grads) if g is not None and i not in self._sparse_positions]
         sparse = []
         for grad, accumulator in zip(grads, self._accumulators):
             if grad is None:
@@ -95,25 +128,34 @@ class GradientSum:
             self._sparse.setdefault(index, []).append(grad)
             if not self._accumulated:  # the program left this accumulator as it was: zero it once
                 self._accumulators[index].assign(tf.zeros_like(self._accumulators[index]))
+        self._dense.update(self._dense_positions)
         self._accumulated = True
 
     def result(self) -> list:
-        """The summed gradients, in variable order (``IndexedSlices`` where sparse)."""
+        """The summed gradients, in variable order, each in Keras' form: a tensor, ``IndexedSlices`` or ``None``."""
         if self._direct is not None:
             dense = list(self._direct)
         elif self._accumulated:
             dense = [a.read_value() for a in self._accumulators]
         else:
             dense = [tf.zeros(v.shape, v.dtype) for v in self.variables]
-        for index, slices in self._sparse.items():
-            dense[index] = _concat_slices(slices, dense[index])
-        return dense
+        result = [d if i in self._dense else None for i, d in enumerate(dense)]
+        several = self._forms is not None and any(len(parts) > 1 for parts in self._sparse.values())
+        forms = self._forms() if several else {}
+        for index, parts in self._sparse.items():
+            slices = joined(parts, forms.get(index, ROWS), self.variables[index])
+            # a dense use too (a weight regularizer's gradient): the tape adds them, dense
+            result[index] = slices if result[index] is None else tf.convert_to_tensor(slices) + result[index]
+        return result
 
-    def _take_sparse(self, index: int, grad):
+    def _take(self, index: int, grad):
+        """The dense part of a gradient for the accumulators: zeros where it is sparse (kept aside) or ``None``."""
         if isinstance(grad, tf.IndexedSlices):
             self._sparse.setdefault(index, []).append(grad)
-            return tf.zeros(self.variables[index].shape, self.variables[index].dtype)
-        return grad
+        elif grad is not None:
+            self._dense.add(index)
+            return grad
+        return tf.zeros(self.variables[index].shape, self.variables[index].dtype)
 
     def _ensure_accumulators(self) -> None:
         if self._accumulators is None:
@@ -132,12 +174,63 @@ class GradientSum:
             accumulator.assign_add(tf.cast(grad, accumulator.dtype))
 
 
-def _concat_slices(slices: list, dense_part) -> tf.IndexedSlices:
-    """The slices of several micro-batches as one ``IndexedSlices`` (plus any dense part, e.g. a regularizer's)."""
-    values = tf.concat([s.values for s in slices], axis=0)
-    indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
-    shape = slices[0].dense_shape
-    merged = tf.IndexedSlices(values, indices, shape)
-    if dense_part is not None and bool(tf.reduce_any(tf.not_equal(dense_part, 0))):
-        return tf.convert_to_tensor(merged) + dense_part
-    return merged
+def joined(parts: list, form: str, variable=None) -> tf.IndexedSlices:
+    """The sparse gradients of several parts of one batch (micro-batches, replicas) as the whole batch's.
+
+    ``ROWS``: the parts' slices joined, in order. ``FIXED``: every part looked
+    up the same ids (checked on the real indices), so the batch's slice of
+    each id is the sum of the parts'. A part with no slices (a replica with
+    no share of the batch) adds nothing.
+
+    >>> a = tf.IndexedSlices(tf.ones((2, 1)), tf.constant([0, 1]), tf.constant([3, 1]))
+    >>> joined([a, a], ROWS).indices.numpy().tolist(), joined([a, a], FIXED).values.numpy().ravel().tolist()
+    ([0, 1, 0, 1], [2.0, 2.0])
+    """
+    if len(parts) > 1 and form != ROWS:
+        parts = [p for p in parts if p.indices.shape[0] != 0] or parts[:1]
+    if len(parts) == 1:
+        return parts[0]
+    if form == ROWS:
+        values = tf.concat([p.values for p in parts], axis=0)
+        indices = tf.concat([tf.cast(p.indices, tf.int64) for p in parts], axis=0)
+        return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+    name = getattr(variable, "path", None) or getattr(variable, "name", "a weight")
+    if form == MIXED:
+        raise PipelineConfigError(
+            f"{name!r} is looked up both with ids read from the batch and with ids known without it (positions) on "
+            "one stage: its sparse gradient's slices cannot be summed over micro-batches as Keras' whole batch "
+            "has them, and a non-linear optimizer (Adam) would step differently. Look the two up in two "
+            "Embedding layers, or use num_microbatches=1."
+        )
+    first = np.asarray(parts[0].indices)
+    for part in parts[1:]:
+        if not np.array_equal(np.asarray(part.indices), first):
+            raise PipelineConfigError(
+                f"{name!r}: a lookup whose ids are known without the batch (its graph says so) looked up other ids "
+                "in another micro-batch; the whole batch's sparse gradient cannot be made from the micro-batches'. "
+                "Use num_microbatches=1."
+            )
+    return tf.IndexedSlices(tf.add_n([p.values for p in parts]), parts[0].indices, parts[0].dense_shape)
+
+
+def lookup_form(indices) -> str:
+    """How a sparse gradient's slices, traced without a batch size, add up over micro-batches.
+
+    A lookup's slices are its ids, flattened: where the ids come from the
+    batch their count is unknown without the batch size (``ROWS``); where it
+    is known, the ids do not depend on the batch (``FIXED``). The tape joins
+    several lookups of one weight with a concatenation: each is read apart.
+    """
+    counts = [part.shape[0] for part in _joined_parts(indices)]
+    if all(c is None for c in counts):
+        return ROWS
+    return FIXED if all(c is not None for c in counts) else MIXED
+
+
+def _joined_parts(tensor) -> list:
+    op = tensor.op
+    if op.type in ("Cast", "Identity"):
+        return _joined_parts(op.inputs[0])
+    if op.type == "ConcatV2":
+        return [part for t in op.inputs[:-1] for part in _joined_parts(t)]
+    return [tensor]

@@ -365,7 +365,7 @@ def weight_gradients(steps: list[Step], inputs: list, grads: list, activity_scal
             for variable, grad in zip(step.variables, tape.gradient(targets, handles, output_gradients=seeds_)):
                 if grad is not None:
                     total[id(variable)] = _add(total.get(id(variable)), grad)
-    return [_zeros_if_none(total.get(id(v)), v) for v in variables]
+    return [total.get(id(v)) for v in variables]  # None where no step reads a weight, as Keras' tape gives
 
 
 def _add(total, grad):
@@ -386,7 +386,9 @@ def _add(total, grad):
 
 def _concatenates(step: Step, inputs: list, grads: list) -> bool:
     """Whether ``W`` concatenates the micro-batches of a weighted step: their tensors are no larger than its weights."""
-    if len(inputs) == 1:
+    if len(inputs) == 1 or isinstance(step.layer, keras.layers.Embedding):
+        # an Embedding's (sparse) gradient of the joined rows has the whole batch's slices: for ids known
+        # without the batch (positions) one per id, where a gradient per micro-batch would have one each
         return True
     sizes = [t.shape.num_elements() for mb in inputs + grads for t in mb if t is not None and hasattr(t, "shape")]
     if any(size is None for size in sizes):
@@ -433,9 +435,3 @@ def _sum(losses) -> tf.Tensor:
     for loss in losses:
         total += tf.cast(tf.reduce_sum(loss), tf.float32)
     return total
-
-
-def _zeros_if_none(grad, like):
-    if grad is not None:
-        return grad
-    return tf.zeros(like.shape, like.dtype)

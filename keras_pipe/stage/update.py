@@ -11,6 +11,7 @@ update itself.
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -78,7 +79,7 @@ class StageUpdate:
             if regularize:
                 regularizers = self._regularization_gradients(variables, regularized)
                 result = [
-                    tf.convert_to_tensor(g) + r * tf.cast(loss_scale, r.dtype) if v.regularizer is not None else g
+                    g if v.regularizer is None else _plus(g, r * tf.cast(loss_scale, r.dtype))
                     for g, r, v in zip(result, regularizers, variables)
                 ]
             return result
@@ -99,7 +100,12 @@ class StageUpdate:
         weight_grads = self._weight_grads(positions, indices, regularize)
 
         def weights_and_update(inputs, grads, activity_scale, loss_scale):
-            optimizer.apply(weight_grads(inputs, grads, activity_scale, loss_scale), variables)
+            result = weight_grads(inputs, grads, activity_scale, loss_scale)
+            if all(g is None for g in result):  # (Keras' optimizer raises where no weight got a gradient)
+                if counted:
+                    optimizer.iterations.assign_add(1)
+                return
+            optimizer.apply(result, variables)
             if not counted:
                 optimizer.iterations.assign_sub(1)
 
@@ -137,9 +143,7 @@ class StageUpdate:
             return loss, tape.gradient(scaled, self.trainable_variables)
 
         loss, grads = self._program("regularization_gradients", regularization)(tf.constant(loss_scale, tf.float32))
-        self.gradients.add(
-            [tf.zeros(v.shape, v.dtype) if g is None else g for g, v in zip(grads, self.trainable_variables)]
-        )
+        self.gradients.add(list(grads))  # (None for a weight without a regularizer: it adds nothing)
         return loss
 
     def regularization_loss(self) -> tf.Tensor:
@@ -183,7 +187,7 @@ class StageUpdate:
         each gradient, whether this stage counts it (a weight several stages
         hold is counted by one).
         """
-        grads = [g for g, c in zip(grads, counted or [True] * len(grads)) if c]
+        grads = [g for g, c in zip(grads, counted or [True] * len(grads)) if c and g is not None]
         if not grads:
             return 0.0
 
@@ -209,6 +213,10 @@ def apply_together(computes: list, optimizer, grads: list, scale: float | None =
 
 def _apply(compute, name: str, optimizer, variables: list, grads: list, scale: float | None) -> None:
     """``optimizer.apply(grads, variables)`` as ``compute``'s program ``name`` (``scaled_`` + ``name`` with a scale)."""
+
+    if all(g is None for g in grads):  # no weight here got a gradient: Keras' optimizer raises there
+        count_step(optimizer)  # (for the whole model only): this stage's step is counted
+        return
 
     def update(*grads):
         optimizer.apply(list(grads), variables)
@@ -318,7 +326,36 @@ def _values(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
+def _plus(grad, dense):
+    """A gradient plus a dense one (a weight regularizer's): dense, as the tape adds them."""
+    return dense if grad is None else tf.convert_to_tensor(grad) + dense
+
+
 def _scaled(grad, scale):
+    if grad is None:
+        return None
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices, grad.dense_shape)
     return grad * tf.cast(scale, grad.dtype)
+
+
+def count_step(optimizer, finite: bool = True) -> None:
+    """What an update does to the optimizer's counters, on a stage with no weights to update.
+
+    Every stage's ``optimizer.iterations`` then counts the model's steps (as
+    callbacks and learning-rate schedules read it), and a ``LossScaleOptimizer``
+    grows or lowers its scale as on the other stages (``finite``: whether every
+    stage's gradients were), as ``keras/src/optimizers/loss_scale_optimizer.py`` does.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # (built by the step, as on every stage)
+        if not finite:
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+            return
+        if int(optimizer.step_counter) == optimizer.dynamic_growth_steps - 1:
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+        else:
+            optimizer.step_counter.assign_add(1)
+        optimizer = optimizer.inner_optimizer
+    optimizer.iterations.assign_add(1)

@@ -3,7 +3,8 @@
 An unseeded script (rank 0's model is the model), Embedding with Adam (a
 sparse gradient), int64 token ids for an int32 input, evaluate()'s list with
 weighted metrics and (n, 1) binary labels, an uncompiled plain-Keras file, a
-Lambda and a custom layer without get_config(), count_params(), fit() without y.
+Lambda and a custom layer without get_config(), count_params(), fit() without y, and
+PipelineModel(inputs, outputs) taken positionally with its output_names (a loss and metrics by output name).
 """
 
 import pytest

@@ -188,5 +188,32 @@ pipeline = PipelineModel.from_sequential(branching)
 assert_close(pipeline.predict(x, verbose=0), expected, "a Functional model through from_sequential")
 ok("functional")
 
+
+# 9. keras.Model(inputs, outputs) -> PipelineModel(inputs, outputs), positionally; output_names, and a loss and
+# metrics by output name, as keras.Model's (issue 41): the same logs and weights.
+def named_outputs(cls, **options):
+    keras.utils.set_random_seed(3)
+    given = keras.Input((12,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(given)
+    outputs = [keras.layers.Dense(1, name="a")(hidden), keras.layers.Dense(1, activation="sigmoid", name="b")(hidden)]
+    model = cls(given, outputs, **options)
+    model.compile(optimizer="adam", loss={"a": "mse", "b": "binary_crossentropy"}, metrics={"b": ["acc"]})
+    return model
+
+
+reference = named_outputs(keras.Model)
+pipeline = named_outputs(PipelineModel, num_microbatches=2)
+pipeline.set_weights(reference.get_weights())
+assert pipeline.output_names == reference.output_names == ["a", "b"], pipeline.output_names
+targets = {"a": x[:, :1], "b": binary}
+expected = reference.fit(x, targets, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+history = pipeline.fit(x, targets, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+assert sorted(history) == sorted(expected) == ["a_loss", "b_acc", "b_loss", "loss"], sorted(history)
+for key in expected:
+    assert_close(history[key], expected[key], f"named outputs {key}")
+for a, b in zip(pipeline.get_weights(), reference.get_weights()):
+    assert_close(a, b, "named outputs weights")
+ok("named outputs")
+
 print(f"DROPIN done rank {RANK} of {SIZE}", flush=True)
 sys.exit(0)

@@ -1,6 +1,6 @@
 """A rank fails before its first PipelineModel, or every rank raises the same error.
 
-Usage: early_failure.py before-mpi|script|import|after-import|config|raised-anew
+Usage: early_failure.py before-mpi|script|import|after-import|first-collective|later|config|raised-anew
 
 ``before-mpi``: rank 1 raises before importing mpi4py (it never joins MPI).
 ``script``: rank 1 raises in the first lines of its script, after mpi4py,
@@ -8,7 +8,10 @@ before keras_pipe. ``import``: rank 1's ``import keras_pipe`` fails (as on a
 host whose TensorFlow install is broken). ``after-import``: rank 1 raises
 after importing keras_pipe, before its model (a bad path). The other ranks
 build a model and train: they must end within a minute, with the default
-timeouts, naming rank 1. ``config``: every rank raises the same
+timeouts, naming rank 1. ``first-collective``: rank 1's callback raises as
+its first ``fit`` begins (inside the first collective method, while the others
+enter it). ``later``: rank 1's callback raises after a batch of the second
+epoch (the others are in the next step). ``config``: every rank raises the same
 ``PipelineConfigError``, uncaught: it is printed once, by rank 0.
 ``raised-anew``: every rank's callback catches ``load_weights``' error (a
 missing file, found by rank 0 and raised on every rank) and raises another
@@ -85,6 +88,26 @@ x, y, _ = data(n=64)
 print(f"FIRST MODEL AT {time.time()}", flush=True) if RANK == 0 else None
 model = keras_pipe.PipelineModel(layers(), num_microbatches=0 if mode == "config" else 2)
 model.compile(**compile_args())
-callbacks = [ResumeOrExplain()] if mode == "raised-anew" else []
+
+
+class FailOnRank1(keras.callbacks.Callback):
+    """Raises on rank 1 as fit begins (``first-collective``) or after a batch of the second epoch (``later``)."""
+
+    def on_train_begin(self, logs=None):
+        self.epoch = 0
+        if mode == "first-collective" and RANK == 1:
+            failing()
+            raise RuntimeError("rank 1 failed as its fit began")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if mode == "later" and RANK == 1 and self.epoch == 1:
+            failing()
+            raise RuntimeError("rank 1 failed in its second epoch")
+
+
+callbacks = [ResumeOrExplain()] if mode == "raised-anew" else [FailOnRank1()]
 model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=callbacks)
 print(f"rank {RANK} finished without noticing the failure", flush=True)

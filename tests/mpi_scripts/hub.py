@@ -15,10 +15,15 @@ again as the head: one weight on the first and the last stage; its
 ``padding_mask`` input read by every block). ``bert``: a classifier on
 ``BertBackbone``'s ``pooled_output``, and a model that trains both of its
 outputs with a loss each. ``chunked``: two chunks a rank, the encoder under
-ZB-V and BERT's two-output model under interleaved 1F1B.
+ZB-V and BERT's two-output model under interleaved 1F1B. With AdamW, whose
+step tells the forms of an embedding's sparse gradient apart (issue 39):
+``llama`` (rotary, untied embeddings), ``mixtral`` (mixture of experts),
+``vit`` (fixed position ids), ``t5`` (encoder-decoder, one table on two
+stages).
 """
 
 import sys
+import warnings
 
 import keras
 import keras_hub
@@ -212,7 +217,147 @@ def chunked(case):
     bert(case, schedule="interleaved-1f1b", both_only=True)
 
 
-CASES = {"encoder": encoder, "decoder": decoder, "gpt2": gpt2, "bert": bert, "chunked": chunked}
+def adamw_lm(epsilon=1e-7):
+    """AdamW (not linear in the gradient: the form of an embedding's sparse gradient decides its step); XLA off,
+    as the behaviour under test does not depend on it and four ranks would compile each model's programs.
+
+    ``epsilon``: Adam divides by ``sqrt(v) + epsilon``, so a gradient entry that cancels to round-off (T5's)
+    steps by a whole learning rate in one model and another's: a larger one keeps round-off round-off, while a
+    gradient in another form (squared slice by slice, or summed first) still moves ``v`` by its own size."""
+    return dict(
+        optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.01, epsilon=epsilon),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"],
+        weighted_metrics=[],  # (explicit: keras_hub's tasks would add their own to the unsplit model's)
+        jit_compile=False,
+    )
+
+
+def shifted(ids):
+    return np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), ids.dtype)], axis=1)
+
+
+def llama(case):
+    """A rotary-embedding decoder with untied embeddings: its token embedding (a ``ReversibleEmbedding``) looks up
+    on the first stage and, as ``reverse_embeddings``, is the last stage's head."""
+
+    def make():
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=VOCAB,
+            num_layers=3,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=DIM,
+            intermediate_dim=32,
+        )
+        return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+    padding = (tokens != 0).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": padding}
+    compare(case, make, adamw_lm, x, shifted(tokens), tolerance=(5e-5, 1e-5), num_microbatches=4)
+
+
+def mixtral(case):
+    """A mixture of experts (top-2 routing over 4 experts), untied embeddings.
+
+    Without the router's load-balancing loss: it is a product of two means over the batch's tokens, which no sum
+    over micro-batches gives (as batch normalization's statistics); with it, every rank warns at the first batch,
+    naming each layer that adds it (keras_pipe.probe.batch_loss_notes)."""
+
+    def make():
+        backbone = keras_hub.models.MixtralBackbone(
+            vocabulary_size=VOCAB,
+            num_layers=2,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=DIM,
+            intermediate_dim=16,
+            num_experts=4,
+            top_k=2,
+            router_aux_loss_coef=0.0,
+        )
+        return keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
+
+    padding = (tokens != 0).astype("int32")
+    compare(case, make, adamw_lm, {"token_ids": tokens, "padding_mask": padding}, shifted(tokens), num_microbatches=4)
+
+    # with the router's loss: a warning naming each decoder layer, on every rank, at the first batch
+    keras.utils.set_random_seed(11)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=DIM,
+        intermediate_dim=16,
+        num_experts=4,
+        top_k=2,
+    )
+    model = PipelineModel.from_model(keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None))
+    model.compile(**adamw_lm())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit({"token_ids": tokens, "padding_mask": padding}, shifted(tokens), batch_size=16, epochs=1, verbose=0)
+    notes = [str(w.message) for w in caught if "not a mean over the batch's rows" in str(w.message)]
+    assert [n.split()[0] for n in notes] == ["'transformer_layer_0'", "'transformer_layer_1'"], notes
+
+
+def vit(case):
+    """A vision transformer: its position embedding looks up fixed ids (no batch axis), so the whole batch's
+    sparse gradient has one slice per position where micro-batches have one each."""
+
+    def make():
+        backbone = keras_hub.models.ViTBackbone(
+            image_shape=(8, 8, 3),
+            patch_size=4,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=DIM,
+            mlp_dim=32,
+        )
+        return keras_hub.models.ViTImageClassifier(backbone=backbone, num_classes=3, preprocessor=None)
+
+    images = np.random.default_rng(5).normal(size=(48, 8, 8, 3)).astype("float32")
+    compare(case, make, adamw_lm, images, classes, tolerance=(5e-5, 1e-5), num_microbatches=4)
+
+
+def t5(case):
+    """An encoder-decoder: the token embedding shared by the encoder and the decoder (two stages looking it up),
+    relative position buckets looked up with ids known without the batch; a Dense head."""
+
+    def make():
+        inner = keras_hub.models.T5Backbone(
+            vocabulary_size=VOCAB,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=DIM,
+            intermediate_dim=32,
+            dropout=0.0,
+        )
+        logits = keras.layers.Dense(VOCAB, name="lm_head")(inner.output["decoder_sequence_output"])
+        return keras.Model(inner.input, logits)
+
+    padding = (tokens != 0).astype("int32")
+    x = {
+        "encoder_token_ids": tokens,
+        "encoder_padding_mask": padding,
+        "decoder_token_ids": tokens,
+        "decoder_padding_mask": padding,
+    }
+    compare(case, make, lambda: adamw_lm(epsilon=1e-4), x, shifted(tokens), num_microbatches=4)
+
+
+CASES = {
+    "encoder": encoder,
+    "decoder": decoder,
+    "gpt2": gpt2,
+    "bert": bert,
+    "chunked": chunked,
+    "llama": llama,
+    "mixtral": mixtral,
+    "vit": vit,
+    "t5": t5,
+}
 for name in sys.argv[1:] or list(CASES):
     CASES[name](name)
     print(f"HUB OK {name} rank {RANK}", flush=True)

@@ -44,7 +44,7 @@ def test_every_micro_batch_adds_in_one_program_and_a_step_starts_afresh():
     dense, sparse, untouched = gradients.result()
     np.testing.assert_array_equal(dense.numpy(), [7.0, 14.0, 21.0])
     np.testing.assert_array_equal(tf.convert_to_tensor(sparse).numpy(), [[0.0], [7.0]])
-    np.testing.assert_array_equal(untouched.numpy(), [0.0, 0.0])
+    assert untouched is None  # no micro-batch gave it a gradient: Keras' optimizer skips it
 
     gradients.reset()  # the next step: a first micro-batch replaces the sum, even a sum that is not finite
     backward(float("nan"))

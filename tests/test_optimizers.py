@@ -1,0 +1,28 @@
+"""Every optimizer Keras ships, on sparse gradients, equal to the unsplit model (mpi_scripts/sparse_optimizers.py).
+
+An ``Embedding`` on a stage of its own and on a stage with other layers, one
+looked up on two stages, a lookup of fixed ids (ViT's positions), a
+``ReversibleEmbedding`` whose lookup and head sit on the first and last
+stage, a weight nothing reads: each gets the form of gradient Keras' own step
+gives it, so that optimizers that are not linear in the gradient (Adam
+squares each slice) step as the unsplit model's do (issue 39).
+"""
+
+import pytest
+from mpi import run_mpi
+
+OPTIMIZERS = (
+    "sgd sgd_nesterov adam adam_amsgrad adamw adamax nadam rmsprop adagrad adadelta adafactor lion ftrl lamb muon "
+    "adam_global_clipnorm adam_clipnorm adam_clipvalue adamw_ema adam_accumulation loss_scale_adam"
+).split()
+# two replicas of two stages: the sparse gradients summed over replicas as over micro-batches
+REPLICATED = ["adam", "adamw", "adam_global_clipnorm", "loss_scale_adam"]
+
+
+@pytest.mark.parametrize("nprocs, args", [(2, []), (4, []), (4, ["--stages", "2"])])
+def test_every_optimizer_steps_as_the_unsplit_model_on_sparse_gradients(nprocs, args):
+    cases = REPLICATED if args else OPTIMIZERS
+    launch = run_mpi(nprocs, "sparse_optimizers.py", *args, *cases, timeout=900)
+    assert launch.returncode == 0, launch.output
+    for case in cases:
+        assert launch.output.count(f"SPARSE OK {case} ") == nprocs, (case, launch.output)
