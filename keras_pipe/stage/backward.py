@@ -303,6 +303,8 @@ def _filled_from_kept(dx, kept, compute) -> list:
 
 def unbatched_spec(value):
     """The type of a micro-batch's input without its batch size (a tensor, a sparse one, a masked one)."""
+    if value is None:  # (an optional input not given)
+        return None
     if isinstance(value, Masked):
         return Masked(unbatched_spec(value.tensor), unbatched_spec(value.mask))
     if isinstance(value, tf.SparseTensor):
