@@ -1,9 +1,11 @@
 """A Keras model as a graph of nodes: what every rank knows of every call, and how its own calls run.
 
 A Functional model already is its graph (Keras' ``Node``s and
-``KerasTensor``s): no tracer is needed. :func:`from_model` walks it in
-Keras' own execution order, expands every nested model (a backbone inside a
-task model) into its nodes, and numbers the tensors; the result is the
+``KerasTensor``s); a subclassed model, or a large composite layer, is
+first traced into one by Keras itself (:mod:`keras_pipe.trace`).
+:func:`from_model` walks it in Keras' own execution order, expands every
+nested model (a backbone inside a task model) into its nodes, and numbers
+the tensors; the result is the
 plain :class:`keras_pipe.cut.Graph` every rank cuts alike, plus, per node,
 a :class:`NodeCall` that runs the Keras call on real tensors as
 ``Functional.call`` does (the same arguments, ``training`` where the

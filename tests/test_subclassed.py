@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mpi import SCRIPTS, require_keras_hub, run_mpi
 
-from keras_pipe import PipelineConfigError, PipelineModel, graph
+from keras_pipe import PipelineConfigError, PipelineModel, cut, graph
 
 sys.path.insert(0, str(SCRIPTS))
 import subclassed_models as models  # noqa: E402
@@ -105,12 +105,26 @@ def test_keras_hub_layers_that_read_masks_in_call_stay_whole():
     assert len(g.notes) == 2 and all("with a Keras mask on its input" in note for note in g.notes), g.notes
 
 
+def params_per_stage(g, stages: int) -> list[int]:
+    """The parameters of each stage of the cut balanced by parameters (as ``balance=None`` cuts)."""
+    sizes, out, start = cut.balance_by_cost([n.cost for n in g.plain.nodes], stages), [], 0
+    for size in sizes:
+        units = {n.unit for n in g.plain.nodes[start : start + size] if n.unit}
+        out.append(sum(int(sum(np.prod(w.shape) for w in g.units[u].weights)) for u in units))
+        start += size
+    return out
+
+
 def test_vits_encoder_is_expanded_into_its_blocks():
     require_keras_hub()
-    g = graph.from_model(models.vit_classifier(), stages=4)
+    vit = models.vit_classifier()
+    whole = graph.from_model(vit, stages=1)  # (one stage: nothing to balance, the encoder one node)
+    assert "ViTEncoder" in [n.kind for n in whole.plain.nodes]
+    assert params_per_stage(whole, 4) == [880, 4480, 0, 51]  # the encoder on one stage, one stage empty
+    g = graph.from_model(vit, stages=4)
     kinds = [n.kind for n in g.plain.nodes]
     assert "ViTEncoder" not in kinds and kinds.count("MultiHeadAttention") == 2 and not g.notes, kinds
-    assert "ViTEncoder" in [n.kind for n in graph.from_model(models.vit_classifier(), stages=1).plain.nodes]
+    assert params_per_stage(g, 4) == [2000, 1104, 1120, 1187]  # (the first holds the patch embedding, 880)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
@@ -123,3 +137,22 @@ def test_subclassed_models_pipelined_equal_the_unsplit_model(nprocs):
     if nprocs == 4:  # ViT's encoder (34,240 parameters of 41,091) was one node: 6,752 / 34,240 / 0 / 99
         (line,) = launch.lines_with("VIT PARAMS PER STAGE 4")
         print(line)
+
+
+def test_under_mixed_precision_a_composite_layer_is_expanded_with_its_own_casts():
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = models.stack_model(models.Stack(16, depth=4))
+        g = graph.from_model(model, stages=2)
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    assert "stack" not in [n.name for n in g.plain.nodes] and not g.notes, g.notes
+    x = np.random.default_rng(2).normal(size=(4, 12)).astype("float32")
+    values = dict(zip(g.plain.inputs, [keras.ops.convert_to_tensor(x)]))
+    for call in g.calls:
+        values.update(zip(call.outputs, call(values, training=False)))
+    got, expected = values[g.plain.outputs[0]], model(x)
+    assert got.dtype == expected.dtype
+    got, expected = (keras.ops.convert_to_numpy(t).astype("float32") for t in (got, expected))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
