@@ -18,7 +18,9 @@ own assertions (its bound in seconds after the rank stops included). With
 hung a CI run before each round of the check took one announcement a rank.
 With ``--matrix``, the fault matrix of ``test_failure_matrix.py`` (launch line x
 failure point x ranks) and the out-of-step calls of ``test_out_of_step.py``;
-``--case 2-python-script`` repeats one of its cases only.
+``--case 2-python-script`` repeats one of its cases only (``2-m-later``: under
+``python -m keras_pipe``); ``--table [CASE ...]`` launches each case once with the
+default timeouts and prints docs/failures.md's rows.
 """
 
 import argparse
@@ -66,7 +68,8 @@ MATRIX += [
 
 def case_name(test, args) -> str:
     if args and not isinstance(args[0], str):
-        return "-".join(str(a).replace(" ", "") for a in args)  # (a matrix case: 2-python-script)
+        # (a matrix case: 2-python-script, 2-m-later under python -m keras_pipe)
+        return "-".join(str(a).replace("python -m keras_pipe", "m") for a in args)
     return args[0] if args and isinstance(args[0], str) else test.__name__.removeprefix("test_")[:40]
 
 
@@ -140,8 +143,9 @@ def table(cases: list[str], load: int) -> int:
             try:
                 launch, seconds, named = test_failure_matrix.failure_case(nprocs, runner, mode, start_timeout=None)
                 ended = f"{seconds:5.1f} s, exit {launch.returncode}"
-            except AssertionError as error:  # (the launch's own timeout)
+            except AssertionError as error:  # (the launch's own timeout, or no failure seen)
                 ended, named = f"did not end: {str(error).splitlines()[0][:60]}", False
+                sys.stderr.write(f"{case_name(None, (nprocs, runner, mode))}:\n{str(error)[-3000:]}\n")
             print(f"| `{runner}` | {mode} | {nprocs} | {ended} | {'yes' if named else 'NO'} |", flush=True)
     finally:
         for burner in burners:

@@ -1,9 +1,11 @@
 """A Keras model as a graph of nodes: what every rank knows of every call, and how its own calls run.
 
 A Functional model already is its graph (Keras' ``Node``s and
-``KerasTensor``s): no tracer is needed. :func:`from_model` walks it in
-Keras' own execution order, expands every nested model (a backbone inside a
-task model) into its nodes, and numbers the tensors; the result is the
+``KerasTensor``s); a subclassed model, or a large composite layer, is
+first traced into one by Keras itself (:mod:`keras_pipe.graph.trace`).
+:func:`from_model` walks it in Keras' own execution order, expands every
+nested model (a backbone inside a task model) into its nodes, and numbers
+the tensors; the result is the
 plain :class:`keras_pipe.graph.cut.Graph` every rank cuts alike, plus, per node,
 a :class:`NodeCall` that runs the Keras call on real tensors as
 ``Functional.call`` does (the same arguments, ``training`` where the
@@ -22,13 +24,14 @@ initializers but no memory, until the rank that owns them initializes them
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import keras
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut
+from keras_pipe.graph import trace as traces
 
 
 class NodeCall:
@@ -75,6 +78,7 @@ class ModelGraph:
     calls: list
     units: dict
     weight_order: list
+    notes: list = field(default_factory=list)  # layers that hold much and could not be split, and why
 
     def unit_weights(self, unit: str) -> list:
         return list(self.units[unit].weights)
@@ -164,20 +168,32 @@ def _refuse_positional(layer, error) -> None:
         ) from error
 
 
-def from_model(model: keras.Model) -> ModelGraph:
-    """The graph of a built Functional (or Sequential) model, nested models expanded into their nodes."""
+def from_model(model: keras.Model, stages: int = 1) -> ModelGraph:
+    """The graph of a built model, nested models expanded into their nodes.
+
+    A Functional or Sequential model is its graph; a subclassed model's
+    ``call()`` is traced on symbolic tensors (:mod:`keras_pipe.graph.trace`) and
+    checked on a real batch, or refused saying why. A composite layer (its
+    ``call()`` runs other layers that hold weights) that holds more than one
+    of ``stages``' share of the parameters is traced too and expanded into
+    its calls, so that the cut can fall inside it; one that cannot be is
+    kept whole, with a note saying why (``summary()`` prints it).
+    """
     functional = functional_of(model)
     if functional is None:
-        raise PipelineConfigError(
-            f"{type(model).__name__} {model.name!r} is not a Functional or Sequential model (a subclassed model's "
-            "graph is its Python code, which keras_pipe cannot cut). Build it with keras.Model(inputs, outputs), "
-            "or write its layers as a list."
-        )
-    walk = _Walk()
+        functional = traces.view_of(model)
+        problem = traces.check_view(functional)
+        if problem is not None:
+            raise PipelineConfigError(problem)
+    source = traces.source_of(functional)
+    total = sum(_size(w.shape) for w in functional.weights)
+    walk = _Walk(split_above=total / stages if stages > 1 else float("inf"), total=total)
     inputs = [walk.new_tensor(kt, kt.name) for kt in functional.inputs]
     outputs = walk.run(functional, inputs)
     plain = cut.Graph(tuple(walk.tensors), tuple(walk.nodes), tuple(inputs), tuple(outputs))
-    return ModelGraph(model, plain, walk.calls, walk.units, _weight_order(model, walk))
+    weight_order = _weight_order(model if source is None else source, walk)
+    owner = model if source is None else functional
+    return ModelGraph(owner, plain, walk.calls, walk.units, weight_order, walk.notes)
 
 
 def functional_of(model):
@@ -190,7 +206,10 @@ def functional_of(model):
 class _Walk:
     """Numbers tensors and collects nodes while walking a Functional graph (and every nested one)."""
 
-    def __init__(self):
+    def __init__(self, split_above: float = float("inf"), total: int = 0):
+        self.split_above = split_above  # a composite layer holding more parameters is expanded if it can be
+        self.total = total
+        self.notes: list[str] = []
         self.tensors: list[cut.Tensor] = []
         self.nodes: list[cut.Node] = []
         self.calls: list[NodeCall] = []
@@ -215,7 +234,7 @@ class _Walk:
             inner = functional_of(node.operation) if isinstance(node.operation, keras.Model) else None
             if inner is not None:
                 self._expand(node, inner)
-            else:
+            elif not self._expand_traced(node):
                 self._add(node)
         return [self.index_of[id(kt)] for kt in functional.outputs]
 
@@ -240,6 +259,54 @@ class _Walk:
         outputs = self.run(inner, [self.index_of[id(kt)] for kt in given])
         for kt, index in zip(node.outputs, outputs):
             self.index_of[id(kt)] = index
+
+    def _expand_traced(self, node) -> bool:
+        """A subclassed model's call, or a large composite layer's, traced and expanded in place; ``False``: kept whole.
+
+        Every subclassed model nested in the graph is expanded, as nested
+        Functional models are; a composite layer (not one of Keras' own) only
+        where it holds more than a stage's share of the parameters, so that
+        the cut cannot balance the stages without falling inside it: a layer
+        kept whole runs its own ``call()``, masks, caches and all.
+        """
+        operation = node.operation
+        if not isinstance(operation, keras.layers.Layer) or len(compat.sublayers(operation)) < 2:
+            return False
+        is_model = isinstance(operation, keras.Model)
+        params = sum(_size(w.shape) for w in operation.weights)
+        if not is_model and (type(operation).__module__.startswith("keras.") or params <= self.split_above):
+            return False
+        share = f"{params / self.total:.0%} of the model" if self.total else "no weights"
+        what = f"{operation.name} ({type(operation).__name__}) holds {params:,} parameters ({share})"
+
+        def keep(reason: str) -> bool:
+            self.notes.append(f"{what} and was not split: {reason}.")
+            return False
+
+        try:
+            traced = traces.trace_call(operation, node.arguments.args, node.arguments.kwargs)
+        except traces.Untraceable as error:
+            return keep(str(error))
+        weighted = [n for n in compat.execution_order(traced.functional) if getattr(n.operation, "weights", None)]
+        if not is_model and len(weighted) < 2:
+            return keep("its call() runs fewer than two layers that hold weights")
+        outputs = traced.functional.outputs
+        if len(outputs) != len(node.outputs) or any(
+            tuple(a.shape) != tuple(b.shape) for a, b in zip(outputs, node.outputs)
+        ):
+            return keep("its traced outputs differ in number or shape from its call's")
+        if not traces.allocated(operation):
+            return keep(
+                "its weights are not allocated here (keras_pipe.unallocated()), so its trace cannot be "
+                "checked on a real batch"
+            )
+        problem = traces.check_on_batch(traced)
+        if problem is not None:
+            return keep(f"its traced graph differs from its call() on a real batch ({problem})")
+        results = self.run(traced.functional, [self.index_of[id(kt)] for kt in traced.given])
+        for kt, index in zip(node.outputs, results):
+            self.index_of[id(kt)] = index
+        return True
 
     def _add(self, node) -> None:
         operation = node.operation

@@ -23,6 +23,7 @@ import numpy as np
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import graph as graphs
+from keras_pipe.graph import trace as traces
 from keras_pipe.model import weights as _weights
 from keras_pipe.mpi.failure import collective
 
@@ -207,7 +208,8 @@ class ModelBuilding:
             spec = None if input_shape is None else shapes_to_specs(input_shape, self._call_dtypes)
             self._build_graph(spec)
         rows = getattr(self, "_probe_rows", None) or 32
-        own = self.engine.build(graphs.from_model(self._source), rows, release=release)
+        stages = self.engine.num_stages * self.engine.num_chunks
+        own = self.engine.build(graphs.from_model(self._source, stages), rows, release=release)
         self._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
         self._stage_layers.extend(own)
         if not self.trainable:  # model.trainable = False before the layers joined: they are frozen too
@@ -293,10 +295,15 @@ class ModelBuilding:
     # -- other models ---------------------------------------------------------
 
     @classmethod
-    def from_model(cls, model: keras.Model, **pipeline_options):
-        """Any built ``Sequential`` or Functional model (a keras_hub task model too) as a pipeline (collective).
+    def from_model(cls, model: keras.Model, inputs=None, **pipeline_options):
+        """Any built Keras model (Sequential, Functional, keras_hub's, subclassed) as a pipeline (collective).
 
-        Nested models are expanded into their nodes. Each rank keeps the
+        Nested models are expanded into their nodes. A subclassed model's
+        ``call()`` is traced on symbolic tensors (see :mod:`keras_pipe.graph.trace`)
+        and checked against ``call()`` on a small real batch, or refused,
+        naming the line it cannot trace; its input shapes are those it was
+        built or called with, or ``inputs`` (``keras.Input``s, as ``call``
+        takes them) where it was neither. Each rank keeps the
         weights of its own stage and frees the others' (the model handed in
         is consumed: use the pipeline from then on); rank 0's weights are
         the pipeline's, as for :meth:`from_sequential`. A model created
@@ -312,11 +319,20 @@ class ModelBuilding:
         """
         if isinstance(model, keras.Sequential):
             return cls.from_sequential(model, **pipeline_options)
+        view = None
         if graphs.functional_of(model) is None:
-            graphs.from_model(model)  # raises, saying why
+            view = traces.view_of(model, inputs)  # (raises, saying why, alike on every rank)
+        elif inputs is not None:
+            raise PipelineConfigError("from_model(inputs=...) is for a subclassed model; this one has its inputs.")
         pipeline_options.setdefault("name", model.name)
         pipeline = cls(**pipeline_options)
-        pipeline._use_model(model)
+        if view is not None:
+            problem = traces.check_view(view)  # (on every rank: each rank's verdict, the first refusal for all)
+            if pipeline.engine.world.size > 1:
+                problem = next((p for p in pipeline.engine.world.allgather_json(problem) if p), None)
+            if problem is not None:
+                raise PipelineConfigError(problem)
+        pipeline._use_model(model if view is None else view)
         pipeline._build(release=False)
         pipeline._adopt(model)
         return pipeline

@@ -28,6 +28,10 @@ def describe(engine, name: str) -> list[str]:
     if engine.picker is not None:
         lines.append("Schedule " + engine.picker.describe())
     lines += summary_lines(engine)
+    notes = getattr(engine.graph, "notes", None) or []
+    if notes:
+        lines.append("Not split (each runs whole on one stage):")
+        lines += ["  " + note for note in notes]
     if engine.num_stages > 1:
         lines.append("Crossings:")
         lines += ["  " + line for line in cuts.describe(engine.cut)]

@@ -64,4 +64,8 @@ def test_a_failing_rank_ends_the_job_naming_itself(nprocs, runner, mode):
     assert named, launch.output
     assert "finished without noticing" not in launch.output, launch.output
     if runner != "python" or mode != "script":
-        assert "What each rank was doing" not in launch.output, "the failing rank ended the job itself"
+        assert f"[keras_pipe] rank 1 is aborting all {nprocs} ranks" in launch.output, launch.output
+        # (a survivor may see rank 1's process gone after its MPI_Abort, before Hydra kills it: it then
+        # writes a report too, naming rank 1 again; seen once in 22 runs of 2-python-later)
+        if "What each rank was doing" in launch.output:
+            assert "rank 1 (pid" in launch.output and "its process no longer exists" in launch.output, launch.output
