@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from mpi import SCRIPTS, require_keras_hub, run_mpi
 
-from keras_pipe import PipelineConfigError, PipelineModel, cut, graph
+from keras_pipe import PipelineConfigError, PipelineModel
+from keras_pipe.graph import cut, graph
 
 sys.path.insert(0, str(SCRIPTS))
 import subclassed_models as models  # noqa: E402
