@@ -139,6 +139,31 @@ def _no_state_changes():
                 delattr(variable_class, name)
 
 
+def _containers(layer) -> dict:
+    """The lengths of the lists, dicts and sets that ``layer`` and its sub-layers hold in public attributes."""
+    found = {}
+    for sub in compat.sublayers(layer):
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and isinstance(value, (list, dict, set)):
+                found[(id(sub), name)] = (sub, len(value))
+    return found
+
+
+def _check_containers(layer, before: dict) -> None:
+    """Raises where ``call()`` added to or removed from a list, dict or set a layer holds (``self.cache.append``)."""
+    for key, (sub, length) in before.items():
+        value = vars(sub).get(key[1])
+        if value is not None and len(value) != length:
+            reason = (
+                f"call() changes the state of {type(sub).__name__} {sub.name!r} (its {key[1]!r} went from {length} "
+                f"to {len(value)} items), which a graph cannot record"
+            )
+            if isinstance(value, list) and len(value) > length:
+                del value[length:]  # (what was appended: symbolic tensors, which must not stay in the model)
+            lines, first = inspect.getsourcelines(type(layer).call)
+            raise Untraceable(reason, _where(inspect.getsourcefile(type(layer).call), first, lines[0]))
+
+
 def _takes(layer, argument: str) -> bool:
     try:
         parameters = inspect.signature(layer.call).parameters
@@ -175,9 +200,11 @@ def _trace_once(layer, args, kwargs, training, top: bool):
     new_kwargs = {k: v for k, v in new_kwargs.items() if k != "training"}
     if training is not None:
         new_kwargs["training"] = training
+    before = _containers(layer)
     try:
         with _no_state_changes():
             outputs = layer.call(*new_args, **new_kwargs)
+        _check_containers(layer, before)
     except Untraceable:
         raise
     except Exception as error:  # noqa: BLE001 - refused, with the reason and the line
@@ -403,7 +430,8 @@ def _compare(traced: Traced, real: dict) -> str | None:
     for k, (a, b) in enumerate(zip(got, expected)):
         masks = [compat.get_mask(t) for t in (a, b)]
         if (masks[0] is None) != (masks[1] is None) or (
-            masks[0] is not None and not np.array_equal(np.asarray(masks[0]), np.asarray(masks[1]))
+            masks[0] is not None
+            and not np.array_equal(keras.ops.convert_to_numpy(masks[0]), keras.ops.convert_to_numpy(masks[1]))
         ):
             return f"output {k}: the traced graph's Keras mask is not call()'s"
         a, b = np.asarray(keras.ops.convert_to_numpy(a)), np.asarray(keras.ops.convert_to_numpy(b))

@@ -56,6 +56,7 @@ REFUSALS = {
     models.RawTf: r"ValueError: A KerasTensor cannot be used as input to a TensorFlow function",
     models.Mutates: r"changes the state of Mutates 'mutates' \(sets its attribute 'last_output'\)",
     models.Counts: r"changes the variable 'counts/calls' \(assign_add\)",
+    models.Appends: r"changes the state of Appends 'appends' \(its 'seen' went from 0 to 1 items\)",
     models.TrainingBranch: r"with training=True than with training=False \(Python code on `training`\)",
     models.PythonRandom: r"differs from call\(\) on a real batch \(output 0: the traced graph computes other values",
 }

@@ -11,7 +11,7 @@ model, expanded so the cut falls inside it; one that cannot be traced stays
 whole, and ``summary()`` says why), ``vit`` (keras_hub's ViT: its
 ``ViTEncoder``, all the transformer blocks, split between blocks; prints
 the parameters per stage), ``refused`` (tensor-value ``if``, a ``tf.*``
-op, state set in ``call``, a variable assigned, Python on ``training``, a
+op, state set in ``call`` (an attribute, a list), a variable assigned, Python on ``training``, a
 Python random number: each a ``PipelineConfigError`` on every rank, naming
 the line).
 """
@@ -152,6 +152,7 @@ def refused(case):
         models.TensorIf,
         models.RawTf,
         models.Mutates,
+        models.Appends,
         models.Counts,
         models.TrainingBranch,
         models.PythonRandom,

@@ -127,6 +127,17 @@ class Mutates(keras.Model):
         return y
 
 
+class Appends(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d = L.Dense(3)
+        self.seen = []
+
+    def call(self, x):  # REFUSED (no one line: the list is compared before and after)
+        self.seen.append(x)
+        return self.d(x)
+
+
 class Counts(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
