@@ -262,9 +262,9 @@ def mixtral(case):
 
     Without the router's load-balancing loss: it is a product of two means over the batch's tokens, which no sum
     over micro-batches gives (as batch normalization's statistics); with it, every rank warns at the first batch,
-    naming each layer that adds it (keras_pipe.probe.batch_loss_notes)."""
+    naming each layer that adds it (keras_pipe.engine.probe.batch_loss_notes)."""
 
-    def make():
+    def make(router_aux_loss_coef=0.0):
         backbone = keras_hub.models.MixtralBackbone(
             vocabulary_size=VOCAB,
             num_layers=2,
@@ -274,7 +274,7 @@ def mixtral(case):
             intermediate_dim=16,
             num_experts=4,
             top_k=2,
-            router_aux_loss_coef=0.0,
+            router_aux_loss_coef=router_aux_loss_coef,
         )
         return keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
 
@@ -283,17 +283,7 @@ def mixtral(case):
 
     # with the router's loss: a warning naming each decoder layer, on every rank, at the first batch
     keras.utils.set_random_seed(11)
-    backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=DIM,
-        intermediate_dim=16,
-        num_experts=4,
-        top_k=2,
-    )
-    model = PipelineModel.from_model(keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None))
+    model = PipelineModel.from_model(make(router_aux_loss_coef=0.02))  # (keras_hub's default)
     model.compile(**adamw_lm())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
