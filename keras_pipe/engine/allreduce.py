@@ -7,7 +7,7 @@ gradient's memory through a read-only view and writes the sums into
 64-byte-aligned buffers (kept from step to step) that TensorFlow then reads
 as tensors without copying (DLPack); the last layers' all-reduces start
 first. Sparse gradients (``IndexedSlices``) are gathered, rows and indices,
-and joined as :func:`keras_pipe.gradients.joined` joins micro-batches, so
+and joined as :func:`keras_pipe.stage.gradients.joined` joins micro-batches, so
 the update sees the same slices as for the whole batch.
 """
 
@@ -27,16 +27,16 @@ class ReplicaReducer:
         self.comm = comm
         self._buffers: dict = {}
 
-    def sum(self, grads: list, computed: bool = True, forms: dict | None = None, like: list | None = None) -> list:
+    def sum(self, grads: list, computed: bool, forms: dict, like: list) -> list:
         """``grads`` (tensors, ``IndexedSlices`` or ``None``) summed over the replicas, in the same order.
 
         ``computed=False``: this replica had no share of the batch (its
         gradients are placeholders). ``forms``: this replica's
-        :func:`~keras_pipe.gradients.lookup_form` of its sparse gradients;
+        :func:`~keras_pipe.stage.gradients.lookup_form` of its sparse gradients;
         ``like``: the variables (their shapes, for a replica that got no
         gradient where another did).
         """
-        grads, sparse_forms = self._agree(grads, computed, forms or {}, like)
+        grads, sparse_forms = self._agree(grads, computed, forms, like)
         dense = [(index, g) for index, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
         results = list(grads)
         if dense:
@@ -52,32 +52,24 @@ class ReplicaReducer:
                 results[index] = tf.experimental.dlpack.from_dlpack(buffer.__dlpack__())
         for index, grad in enumerate(grads):
             if isinstance(grad, tf.IndexedSlices):
-                results[index] = joined(gathered_slices(self.comm, grad), sparse_forms[index], like and like[index])
+                results[index] = joined(gathered_slices(self.comm, grad), sparse_forms[index], like[index])
         return results
 
     def _agree(self, grads: list, computed: bool, forms: dict, like) -> tuple[list, dict]:
         """Every replica's gradient of a variable in one form, so that all take the same collective.
 
-        The form the whole batch's gradient has (:mod:`keras_pipe.gradients`):
+        The form the whole batch's gradient has (:mod:`keras_pipe.stage.gradients`):
         dense where any replica's is dense (a weight regularizer's term, which
         one replica counts, added to slices); else sparse where any replica's
         is, a replica with no slices sending none, summed as the lookups'
         forms say; else ``None``. A replica with no share of the batch holds
         placeholders: it counts for nothing. One small all-reduce of the forms.
         """
-        n = len(grads)
-        flags = np.zeros((4, n), np.float64)
-        for i, g in enumerate(grads):
-            if computed and g is not None:
-                sparse = isinstance(g, tf.IndexedSlices)
-                flags[0 if sparse else 1, i] = 1
-                flags[2, i] = sparse and forms.get(i) == FIXED
-                flags[3, i] = sparse and forms.get(i) == MIXED
-        flags = self.comm.allreduce_sum(flags.ravel(), "the other replicas of this stage (gradient allreduce)")
-        sparse_somewhere, dense_somewhere, fixed, mixed = flags.reshape(4, n)
+        what = "the other replicas of this stage (gradient allreduce)"
+        mine = grads if computed else [None] * len(grads)
+        sparse_somewhere, dense_somewhere, fixed, mixed = forms_everywhere(self.comm, mine, what, forms)
         agreed, sparse_forms = [], {}
-        for i, grad in enumerate(grads):
-            grad = grad if computed else None
+        for i, grad in enumerate(mine):
             if dense_somewhere[i]:
                 grad = _zeros(like[i]) if grad is None else tf.convert_to_tensor(grad)
             elif sparse_somewhere[i]:
@@ -91,6 +83,24 @@ class ReplicaReducer:
     def sum_values(self, values: np.ndarray) -> np.ndarray:
         """A small float64 vector summed over the replicas (a count of the batch, say)."""
         return self.comm.allreduce_sum(values)
+
+
+def forms_everywhere(comm: Communicator, grads: list, what: str, forms: dict | None = None) -> np.ndarray:
+    """For each gradient, how many ranks of ``comm`` hold it sparse, dense, and (sparse) ``FIXED`` or ``MIXED``.
+
+    ``grads``: this rank's (``None`` where it has none); ``forms``: the
+    :func:`~keras_pipe.stage.gradients.lookup_form` of its sparse ones. One
+    small all-reduce; returns the four rows of counts.
+    """
+    forms = forms or {}
+    flags = np.zeros((4, len(grads)), np.float64)
+    for i, g in enumerate(grads):
+        if g is not None:
+            sparse = isinstance(g, tf.IndexedSlices)
+            flags[0 if sparse else 1, i] = 1
+            flags[2, i] = sparse and forms.get(i) == FIXED
+            flags[3, i] = sparse and forms.get(i) == MIXED
+    return comm.allreduce_sum(flags.ravel(), what).reshape(4, len(grads))
 
 
 def gathered_slices(comm: Communicator, grad: tf.IndexedSlices) -> list[tf.IndexedSlices]:
@@ -194,11 +204,7 @@ class TiedReducer:
         results = list(grads)
         for comm, positions in self.groups:
             what = "the other stages holding a shared weight (gradient allreduce)"
-            flags = np.zeros((2, len(positions)), np.float64)
-            for k, p in enumerate(positions):
-                if results[p] is not None:
-                    flags[0 if isinstance(results[p], tf.IndexedSlices) else 1, k] = 1
-            sparse_somewhere, dense_somewhere = comm.allreduce_sum(flags.ravel(), what).reshape(2, -1)
+            sparse_somewhere, dense_somewhere, _, _ = forms_everywhere(comm, [results[p] for p in positions], what)
             dense = [p for k, p in enumerate(positions) if dense_somewhere[k]]
             arrays = [
                 np.array(tf.convert_to_tensor(results[p] if results[p] is not None else _zeros(like[p])), copy=True)

@@ -58,7 +58,7 @@ class StageBackward:
         return sources
 
     def sparse_forms(self) -> dict:
-        """``{position: form}`` of the trainable variables whose gradient is sparse (see :mod:`keras_pipe.gradients`).
+        """``{position: form}`` of the sparse gradients of the trainable variables (:mod:`keras_pipe.stage.gradients`).
 
         Read once from the stage's forward and gradient traced (never run)
         on inputs without a batch size: the count of a lookup's slices is

@@ -6,7 +6,7 @@ decides it), not only with its value: Keras' TensorFlow optimizers update
 an ``IndexedSlices`` gradient slice by slice (Adam squares each slice, then
 adds the squares of an id's slices), so an optimizer that is not linear in
 the gradient tells two forms of one sum apart. The forms, and how each is
-kept here and in :mod:`keras_pipe.allreduce`:
+kept here and in :mod:`keras_pipe.engine.allreduce`:
 
 - ``None``: no use of the weight reached the loss. Keras' optimizer skips
   the weight (no step, no decay, its slots untouched), so it stays ``None``.

@@ -244,8 +244,6 @@ def separable(optimizer) -> bool:
     every gradient is finite first; a user's). ``update_step``, per
     variable, may be anything.
     """
-    import keras
-
     base = keras.optimizers.Optimizer
     methods = ("apply", "_backend_apply_gradients", "_backend_update_step", "_clip_gradients", "_apply_weight_decay")
     if not isinstance(optimizer, base) or any(getattr(type(optimizer), m) is not getattr(base, m) for m in methods):
