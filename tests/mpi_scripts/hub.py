@@ -41,6 +41,10 @@ classes = (tokens[:, 0] % 3).astype("int32")
 fit_args = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
 
 
+def shifted(ids):
+    return np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), ids.dtype)], axis=1)
+
+
 def compare(case, make, compile_args, x, y, sample_weight=None, tolerance=(2e-5, 2e-6), **pipeline_args):
     """Trains the unsplit model (on rank 0) and the pipeline from the same initial weights; compares everything."""
     data = dict(sample_weight=sample_weight, batch_size=24, verbose=0)
@@ -126,7 +130,7 @@ def decoder(case):
             metrics=["sparse_categorical_accuracy"],
         )
 
-    targets = np.concatenate([tokens[:, 1:], np.zeros((48, 1), tokens.dtype)], axis=1)
+    targets = shifted(tokens)
     compare(case, make, lm, tokens, targets, num_microbatches=4)
 
 
@@ -152,7 +156,7 @@ def gpt2(case):
 
     padding = (tokens != 0).astype("int32")
     x = {"token_ids": tokens, "padding_mask": padding}
-    targets = np.concatenate([tokens[:, 1:], np.zeros((48, 1), tokens.dtype)], axis=1)
+    targets = shifted(tokens)
     weights = np.concatenate([padding[:, 1:], np.zeros((48, 1), "int32")], axis=1).astype("float32")
     model = compare(case, make, lm, x, targets, sample_weight=weights, num_microbatches=4)
     if SIZE > 1:
@@ -231,10 +235,6 @@ def adamw_lm(epsilon=1e-7):
         weighted_metrics=[],  # (explicit: keras_hub's tasks would add their own to the unsplit model's)
         jit_compile=False,
     )
-
-
-def shifted(ids):
-    return np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), ids.dtype)], axis=1)
 
 
 def llama(case):
