@@ -17,10 +17,11 @@ default task; ``Bert:TextClassifier`` names another (``--list`` shows all).
 For each family and rank count ``P`` the driver launches ``mpirun -n P
 python hub_zoo.py --worker FAMILY ...`` (several families a launch, to pay
 TensorFlow's start once). In the launch every rank builds the model three
-times from the same seed and weights; rank 0 alone trains two of them
-unsplit, with ``jit_compile=False`` (the reference) and ``jit_compile=True``
-(the difference between those two is Keras' own round-off band), and the
-third is pipelined with ``PipelineModel.from_model(model,
+times from the same seed and weights; ranks 0 and 1 train two of them
+unsplit, at once, with ``jit_compile=False`` (the reference) and
+``jit_compile=True`` (the difference between those two is Keras' own
+round-off band; both are kept in ``--reference-cache`` for the next rank
+count, as they do not depend on it), and the third is pipelined with ``PipelineModel.from_model(model,
 num_microbatches=4)`` and trained on the same data: AdamW(1e-3), 2 epochs of
 2 batches of 8 rows, ``shuffle=False``. Rank 0 prints one line a family:
 
@@ -833,7 +834,7 @@ def innermost(error: BaseException, frames=3) -> str:
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))
 
 
-def run_family(name, builder, comm):
+def run_family(name, builder, comm, cache=None):
     """Every rank: builds, trains the references on rank 0, the pipeline everywhere; returns rank 0's row."""
     import keras
     import numpy as np
@@ -863,19 +864,15 @@ def run_family(name, builder, comm):
     row["params"] = int(sum(np.prod(v.shape) for v in no_xla.trainable_weights))
     fit = dict(x=x, y=y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
 
-    def reference():
-        out = {}
-        for key, model in (("no_xla", no_xla), ("xla", xla)):
-            try:
-                history = model.fit(**fit).history
-                out[key] = dict(
-                    history=history, weights=model.get_weights(), predict=model.predict(x, batch_size=BATCH, verbose=0)
-                )
-            except Exception as error:
-                out[key] = dict(error=first_line(error))
-        return out
+    def train(key):
+        model = no_xla if key == "no_xla" else xla
+        try:
+            history = model.fit(**fit).history
+            return dict(history=history, weights=model.get_weights(), predict=model.predict(x, batch_size=BATCH, verbose=0))
+        except Exception as error:
+            return dict(error=first_line(error))
 
-    refs = on_rank_0(comm, reference)
+    refs = references(comm, name, train, cache)
     if "error" in refs["no_xla"]:
         reason = f"Keras' own fit (jit_compile=False): {refs['no_xla']['error']}"
         return dict(row, verdict="NOT BUILDABLE", reason=reason)
@@ -917,6 +914,51 @@ def run_family(name, builder, comm):
     return row
 
 
+def references(comm, name, train, cache):
+    """Keras' own runs, ``{"no_xla": ..., "xla": ...}``, on every rank: from ``cache`` or trained.
+
+    The unsplit model does not depend on the rank count: with ``cache`` (a
+    folder) rank 0 keeps them there, keyed by family and the versions of
+    Keras and keras_hub, and the next launch (4 ranks after 2) reads them.
+    Trained, the two runs go to two ranks at once where there are two.
+    """
+    import pickle
+
+    import keras
+    import keras_hub
+
+    path = None
+    if cache:
+        key = f"{name}-keras{keras.__version__}-hub{keras_hub.__version__}-{V}-{L}-{H}-{ROWS}-{BATCH}-{EPOCHS}"
+        path = Path(cache) / (key.replace(":", "_").replace("/", "_") + ".pkl")
+    found = None
+    if comm.Get_rank() == 0 and path is not None and path.exists():
+        try:
+            found = pickle.loads(path.read_bytes())
+        except Exception:
+            found = None
+    if comm.bcast(found is not None, root=0):
+        return comm.bcast(found, root=0)
+    if comm.Get_size() == 1:
+        refs = dict(no_xla=train("no_xla"), xla=train("xla"))
+    else:
+        mine = train("no_xla") if comm.Get_rank() == 0 else train("xla") if comm.Get_rank() == 1 else None
+        other = None
+        if comm.Get_rank() == 1:
+            comm.send(mine, dest=0, tag=78)
+        elif comm.Get_rank() == 0:
+            while not comm.iprobe(source=1, tag=78):
+                time.sleep(0.005)
+            other = comm.recv(source=1, tag=78)
+        refs = on_rank_0(comm, lambda: dict(no_xla=mine, xla=other))
+    if comm.Get_rank() == 0 and path is not None and "error" not in refs["no_xla"]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_bytes(pickle.dumps(refs))
+        temporary.replace(path)
+    return refs
+
+
 def on_rank_0(comm, compute):
     """``compute()`` on rank 0 alone, its result (pickled) on every rank; the others wait with sleeps.
 
@@ -951,7 +993,7 @@ def worker(args):
     for name in args.worker:
         if comm.Get_rank() == 0:
             print(f"ZOO-START {name}", flush=True)
-        row = run_family(name, table[name], comm)
+        row = run_family(name, table[name], comm, args.reference_cache)
         if comm.Get_rank() == 0:
             row["verdict"] = verdict(row, args.factor)
             print("ZOO-ROW " + json.dumps(row), flush=True)
@@ -1015,6 +1057,7 @@ def launch(ranks, names, args, log):
         str(Path(__file__).resolve()),
         "--factor",
         str(args.factor),
+        *(["--reference-cache", args.reference_cache] if args.reference_cache else []),
         "--worker",
         *names,
     ]
@@ -1202,6 +1245,11 @@ def main():
         default=str(Path(sys.executable).parent / "mpirun")
         if (Path(sys.executable).parent / "mpirun").exists()
         else "mpirun",
+    )
+    parser.add_argument(
+        "--reference-cache",
+        default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "keras_pipe_zoo_references"),
+        help="keep Keras' own runs here, for the next rank count ('' trains them every time)",
     )
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
