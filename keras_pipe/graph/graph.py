@@ -24,6 +24,7 @@ initializers but no memory, until the rank that owns them initializes them
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import keras
@@ -190,6 +191,7 @@ def from_model(model: keras.Model, stages: int = 1) -> ModelGraph:
     walk = _Walk(split_above=total / stages if stages > 1 else float("inf"), total=total)
     inputs = [walk.new_tensor(kt, kt.name) for kt in functional.inputs]
     outputs = walk.run(functional, inputs)
+    walk.merge_units()
     plain = cut.Graph(tuple(walk.tensors), tuple(walk.nodes), tuple(inputs), tuple(outputs))
     weight_order = _weight_order(model if source is None else source, walk)
     owner = model if source is None else functional
@@ -226,6 +228,46 @@ class _Walk:
         )
         self.index_of[id(kt)] = len(self.tensors) - 1
         return len(self.tensors) - 1
+
+    def merge_units(self) -> None:
+        """One unit for layers that hold the same variables: the one holding them all.
+
+        ``OPTCausalLM`` looks its tokens up with its ``embeddings`` layer (a
+        ``TokenAndPositionEmbedding``) and projects its logits with that
+        layer's child ``token_embedding``: two layers, one variable. A call of
+        the child belongs to the parent's unit, so a stage calling either
+        holds the parent's weights and the stages holding them are tied
+        (their gradients summed). Layers whose variables overlap without one
+        holding all of the other's are refused: no unit could own them.
+        """
+        held = {unit: {id(v) for v in layer.variables} for unit, layer in self.units.items()}
+        owner = {}
+        for unit, ids in held.items():
+            wider = [u for u, other in held.items() if u != unit and ids <= other and (ids < other or u < unit)]
+            if wider:
+                owner[unit] = max(wider, key=lambda u: (len(held[u]), u))
+                continue
+            for other_unit, other in held.items():
+                if other_unit != unit and ids & other and not ids <= other and not other <= ids:
+                    raise PipelineConfigError(
+                        f"the layers {unit!r} and {other_unit!r} share some of their variables, and neither "
+                        "holds all of the other's: keras_pipe places a layer's variables with it. Share whole "
+                        "layers (call one layer twice) or a parent layer and its child."
+                    )
+        if not owner:
+            return
+
+        def root(unit):
+            while unit in owner:
+                unit = owner[unit]
+            return unit
+
+        self.nodes = [
+            dataclasses.replace(node, unit=root(node.unit)) if node.unit in owner else node for node in self.nodes
+        ]
+        for unit in owner:
+            del self.units[unit]
+        self.unit_of = {key: root(unit) for key, unit in self.unit_of.items()}
 
     def run(self, functional, inputs: list) -> list:
         for kt, index in zip(functional.inputs, inputs):

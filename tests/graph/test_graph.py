@@ -103,3 +103,39 @@ def test_released_weights_cannot_be_read_and_say_why():
     assert compat.unallocated(layer.kernel)
     with pytest.raises(RuntimeError, match="belongs to another stage"):
         layer.kernel.numpy()
+
+
+class _Parent(keras.layers.Layer):
+    """A layer holding a child layer and a weight of its own (keras_hub's TokenAndPositionEmbedding)."""
+
+    def __init__(self, child=None, **kwargs):
+        super().__init__(**kwargs)
+        self.child = child or keras.layers.Dense(4, name="child")
+
+    def build(self, shape):
+        if not self.child.built:
+            self.child.build(shape)
+        self.own = self.add_weight(shape=(4,), name="own")
+
+    def call(self, x):
+        return self.child(x) + self.own
+
+
+def test_a_child_layer_called_apart_from_its_parent_is_the_parents_unit():
+    inputs = keras.Input((4,))
+    parent = _Parent(name="parent")
+    h = keras.layers.Dense(4, name="middle")(parent(inputs))
+    outputs = parent.child(h)  # OPTCausalLM's head: the child of the first layer, called last
+    model_graph = graph.from_model(keras.Model(inputs, outputs))
+    assert sorted(model_graph.units) == ["middle", "parent"]
+    assert [n.unit for n in model_graph.plain.nodes] == ["parent", "middle", "parent"]
+    assert cut(model_graph.plain, [2, 1]).shared == {"parent": (0, 1)}
+
+
+def test_layers_sharing_part_of_their_variables_are_refused_naming_both():
+    inputs = keras.Input((4,))
+    child = keras.layers.Dense(4, name="child")
+    first, second = _Parent(child, name="first"), _Parent(child, name="second")
+    outputs = second(first(inputs))
+    with pytest.raises(PipelineConfigError, match="'first' and 'second' share some of their variables"):
+        graph.from_model(keras.Model(inputs, outputs))

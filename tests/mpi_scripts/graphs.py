@@ -8,7 +8,9 @@ called on two branches that fall on different stages: tied weights),
 ``dynamic`` (a time axis that is ``None`` in the model: batches of lengths
 8, 12 and 16 cross the stages, each length compiled once), ``resnet``
 (keras.applications' ResNet: residual adds across stage boundaries; with one
-micro-batch its BatchNormalization sees the batch the unsplit model sees).
+micro-batch its BatchNormalization sees the batch the unsplit model sees),
+``child`` (OPT's head: a layer's child called on the last stage, its parent
+on the first: one variable, two layers, tied).
 """
 
 import sys
@@ -166,7 +168,47 @@ def resnet(case):
     compare(case, make, sgd, x, y, fit_args=dict(batch_size=8, epochs=1), tolerance=(1e-4, 1e-5), num_microbatches=2)
 
 
-CASES = {"skip": skip, "multi": multi, "dynamic": dynamic, "resnet": resnet}
+class TokenAndPosition(keras.layers.Layer):
+    """keras_hub's TokenAndPositionEmbedding, small: a child ``ReversibleEmbedding`` and a position table."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.token = keras.layers.ReversibleEmbedding(20, 8, tie_weights=True, name="token")
+
+    def build(self, shape):
+        self.token.build(shape)
+        self.position = self.add_weight(shape=(shape[-1], 8), name="position")
+
+    def call(self, ids):
+        return self.token(ids) + self.position
+
+
+def child(case):
+    x = rng.integers(0, 20, size=(64, 6))
+    y = rng.integers(0, 20, size=(64, 6))
+
+    def make():
+        ids = keras.Input((6,), dtype="int32", name="ids")
+        embed = TokenAndPosition(name="embeddings")
+        h = embed(ids)
+        for k in range(3):
+            h = keras.layers.Dense(8, activation="tanh", name=f"d{k}")(h)
+        logits = embed.token(h, reverse=True)  # the child, as OPTCausalLM's head
+        return keras.Model(ids, logits)
+
+    def adamw():
+        return dict(
+            optimizer=keras.optimizers.AdamW(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["sparse_categorical_accuracy"],
+        )
+
+    model = compare(case, make, adamw, x, y, num_microbatches=2)
+    if SIZE > 1:
+        assert model.engine.cut.shared == {"embeddings": (0, SIZE - 1)}, model.engine.cut.shared
+
+
+CASES = {"skip": skip, "multi": multi, "dynamic": dynamic, "resnet": resnet, "child": child}
 for name in sys.argv[1:] or list(CASES):
     CASES[name](name)
     print(f"GRAPH OK {name} rank {RANK}", flush=True)
