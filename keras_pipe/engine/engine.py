@@ -142,13 +142,16 @@ class Engine:
         self.chunks: list[Chunk] = []  # this rank's virtual stages (one, but with a chunked schedule)
         self.masks: dict | None = None  # each tensor's Keras mask, measured on real tensors (first batch)
         self._tracer = None
-        self.jit, self.eager = "auto", False
+        self.jit, self.eager, self.frozen = "auto", False, False
 
-    def configure(self, jit, eager: bool) -> None:
-        """How the stage compiles its programs (``compile(jit_compile=True | False | "auto", run_eagerly=...)``)."""
-        self.jit, self.eager = jit, eager
+    def configure(self, jit, eager: bool, frozen: bool = False) -> None:
+        """How the stage compiles its programs (``compile(jit_compile=True | False | "auto", run_eagerly=...)``).
+
+        ``frozen``: the model's ``trainable`` is ``False`` (its layers' own flags stay as they are, as in Keras).
+        """
+        self.jit, self.eager, self.frozen = jit, eager, frozen
         for chunk in self.chunks:
-            chunk.compute.configure(jit, eager)
+            chunk.compute.configure(jit, eager, frozen)
 
     @property
     def built(self) -> bool:
@@ -247,7 +250,7 @@ class Engine:
         output_structure = model_graph.output_structure() if k == last else None
         regularized = [model_graph.units[u] for u in stage.units if min(the_cut.shared.get(u, [k])) == k]
         compute = StageCompute(
-            stage, calls, plain, own, self.jit, self.eager, self.recompute, output_structure, regularized
+            stage, calls, plain, own, self.jit, self.eager, self.recompute, output_structure, regularized, self.frozen
         )
         links = None
         if self.num_chunks > 1:

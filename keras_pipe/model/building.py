@@ -208,13 +208,11 @@ class ModelBuilding:
             spec = None if input_shape is None else shapes_to_specs(input_shape, self._call_dtypes)
             self._build_graph(spec)
         rows = getattr(self, "_probe_rows", None) or 32
+        self.engine.frozen = not self.trainable  # (the layers' own flags are left as they are, as Keras does)
         stages = self.engine.num_stages * self.engine.num_chunks
         own = self.engine.build(graphs.from_model(self._source, stages), rows, release=release)
         self._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
         self._stage_layers.extend(own)
-        if not self.trainable:  # model.trainable = False before the layers joined: they are frozen too
-            for layer in own:
-                layer.trainable = False
         self.built = True
         if release:
             _weights.copy_between_holders(self.engine)

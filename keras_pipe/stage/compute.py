@@ -61,6 +61,7 @@ class StageCompute(StageBackward, StageUpdate):
         recompute: str = "never",
         output_structure=None,
         regularized=None,
+        frozen: bool = False,
     ):
         check_recompute(recompute)
         self.stage = stage
@@ -68,7 +69,7 @@ class StageCompute(StageBackward, StageUpdate):
         self.graph = graph
         self.layers = list(layers)
         self.recompute = recompute
-        self.jit, self.eager = jit, eager
+        self.jit, self.eager, self.frozen = jit, eager, frozen
         self.is_first = stage.index == 0
         self.output_structure = output_structure
         self.gradient_inputs = [c.tensor for c in stage.receives if c.gradient]
@@ -103,7 +104,9 @@ class StageCompute(StageBackward, StageUpdate):
 
     def _prepare(self) -> None:
         """What follows from the layers, their trainable flags and the masks: variables, split, steps."""
-        self.trainable_variables = _unique(v for layer in self.layers for v in layer.trainable_weights)
+        # (a frozen model, trainable=False, trains nothing, whatever its layers' flags say: Keras' Model does so)
+        weights = () if self.frozen else (v for layer in self.layers for v in layer.trainable_weights)
+        self.trainable_variables = _unique(weights)
         self.weight_bytes = self._weight_bytes()
         self.gradients = GradientSum(self.trainable_variables, self._program, self.sparse_forms)
         self._sparse_forms: dict | None = None
@@ -127,7 +130,7 @@ class StageCompute(StageBackward, StageUpdate):
         self._programs.clear()
         self._groups.clear()
 
-    def configure(self, jit, eager: bool) -> None:
+    def configure(self, jit, eager: bool, frozen: bool = False) -> None:
         """Changes how programs compile (after ``compile()``); forgets the compiled ones.
 
         ``jit``: ``True`` (XLA wherever it compiles), ``"auto"`` (XLA except
@@ -135,7 +138,7 @@ class StageCompute(StageBackward, StageUpdate):
         XLA's random streams are not TensorFlow's, so dropout would draw
         other masks than the unsplit model's), ``False`` (never).
         """
-        self.jit, self.eager = jit, eager
+        self.jit, self.eager, self.frozen = jit, eager, frozen
         self._prepare()  # (after model.trainable = False, say: Keras asks for compile() again)
 
     @property

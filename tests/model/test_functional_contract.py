@@ -1,0 +1,23 @@
+"""The Functional side of Keras' model contract (issue 41), on one rank and on two (tests/mpi_scripts/functional_contract.py).
+
+Built once constructed, quantize(), None for inputs, from_config of a
+Functional config, trainable=False at construction, the inputs' structure
+checked on every rank in eager calls and nesting in TimeDistributed, pickle
+(the whole model on every rank), and the model handed to from_model saying
+that the pipeline holds its layers: each against keras.Model or the same
+error on every rank.
+"""
+
+import pytest
+from mpi import run_mpi
+
+CASES = ["built", "quantize", "none inputs", "from_config", "frozen", "calls", "pickle", "handed in"]
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_pipeline_keeps_the_functional_contract(nprocs):
+    launch = run_mpi(nprocs, "functional_contract.py", timeout=300)
+    assert launch.returncode == 0, launch.output
+    for case in CASES:
+        assert launch.output.count(f"CONTRACT {case} ok ") == nprocs, (case, launch.output[-4000:])
+    assert launch.output.count("CONTRACT done") == nprocs, launch.output[-4000:]
