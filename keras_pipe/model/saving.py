@@ -19,6 +19,7 @@ import os
 import keras
 import numpy as np
 
+from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
 from keras_pipe.model.weights import copy_from_first_replica, ordered
 from keras_pipe.mpi.comm import TAG_STATE, Communicator
@@ -351,6 +352,11 @@ class SavingMethods:
 
         config = dict(config)
         accepted = inspect.signature(cls.__init__).parameters
+        if "input_layers" in config and "output_layers" in config:
+            # a Functional model's config (keras.Model(inputs, outputs).get_config()): its graph, not a chain
+            kwargs = {k: v for k, v in config.items() if k in accepted and k not in ("layers", "inputs", "outputs")}
+            graph = keras.Model.from_config(config, custom_objects=custom_objects)
+            return cls.from_model(graph, **kwargs)
         layers = [keras.saving.deserialize_keras_object(c, custom_objects) for c in config.pop("layers", [])]
         source = config.pop("model", None)
         source = keras.saving.deserialize_keras_object(source, custom_objects) if source is not None else None
@@ -364,6 +370,44 @@ class SavingMethods:
 
             items.append(map_specs(input_of, _tuple_specs(spec)))
         return cls(items + layers, **kwargs) if items or layers else cls(**kwargs)
+
+    @collective
+    def __reduce__(self):
+        """``pickle.dumps(model)``: the whole model, on every rank (collective), as Keras pickles a model.
+
+        Rank 0 gathers the whole model (weights and optimizer state) and
+        writes it as Keras' own pickle does (``.keras`` bytes); every rank
+        gets those bytes, so each rank's pickle is the whole model, and
+        ``pickle.loads`` (collective too, on any number of ranks) makes a
+        pipeline of it with this one's options.
+        """
+        self.build()
+        world = self.engine.world
+        whole = to_whole(self)  # (collective: the whole model on rank 0, None elsewhere)
+        data = on_root(
+            world, lambda: np.frombuffer(compat.keras_pickle_bytes(whole), np.uint8), f"pickle {self.name!r}"
+        )
+        size = world.bcast_json(None if data is None else int(data.size), root=ROOT)
+        data = world.bcast_array(data if data is not None else np.empty(size, np.uint8), root=ROOT)
+        options = {k: v for k, v in self._options.items() if v != _DEFAULTS[k]}
+        return (type(self)._unpickled, (data.tobytes(), dict(options, name=self.name)))
+
+    @classmethod
+    def _unpickled(cls, data: bytes, options: dict):
+        """The pipeline of a pickled model (collective): every rank reads the bytes; rank 0's weights are taken."""
+        from mpi4py import MPI
+
+        whole = compat.keras_unpickle(data)
+        compile_config = whole.get_compile_config() if whole.compiled else None
+        # (from_model consumes the model: rank 0 reads a second one for the optimizer state)
+        state = (
+            compat.keras_unpickle(data) if compile_config is not None and MPI.COMM_WORLD.Get_rank() == ROOT else None
+        )
+        pipeline = cls.from_model(whole, **options)
+        if compile_config is not None:
+            pipeline.compile_from_config(compile_config)
+            load_into(pipeline, state)
+        return pipeline
 
     @collective
     def to_keras(self) -> keras.Model | None:
