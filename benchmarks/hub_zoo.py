@@ -868,7 +868,9 @@ def run_family(name, builder, comm, cache=None):
         model = no_xla if key == "no_xla" else xla
         try:
             history = model.fit(**fit).history
-            return dict(history=history, weights=model.get_weights(), predict=model.predict(x, batch_size=BATCH, verbose=0))
+            return dict(
+                history=history, weights=model.get_weights(), predict=model.predict(x, batch_size=BATCH, verbose=0)
+            )
         except Exception as error:
             return dict(error=first_line(error))
 

@@ -228,13 +228,41 @@ def executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
-def check_input_shapes(functional, x) -> None:
+def check_input_structure(functional, x, name: str | None = None) -> None:
+    """Raises as a Functional model's ``__call__`` does for inputs of another structure (Keras 3.15).
+
+    A dict without one of the inputs' names, more or fewer arrays than
+    inputs, something that is not an array, ``None`` for an input that is
+    not ``optional=True``: ``Functional._assert_input_compatibility`` and
+    ``keras.src.layers.input_spec.assert_input_compatibility``, on every
+    rank (see :func:`check_input_shapes`).
+    """
+    from keras.src.layers.input_spec import assert_input_compatibility
+
+    name = name or functional.name
+    struct = functional._inputs_struct
+    single = not isinstance(x, (dict, list, tuple)) and not isinstance(struct, (dict, list, tuple))
+    flat = [x] if single else None
+    if flat is None and not isinstance(x, dict):
+        flat = keras.tree.flatten(x) if isinstance(x, (list, tuple)) else [x]
+    if flat is not None:
+        for given, tensor in zip(flat, functional.inputs):
+            layer = tensor._keras_history.operation
+            if given is None and not getattr(layer, "optional", False):
+                raise ValueError(
+                    f"The input '{tensor.name}' is not optional, but None was passed. Please provide a valid tensor."
+                )
+    assert_input_compatibility(functional.input_spec, x, name)
+
+
+def check_input_shapes(functional, x) -> list:
     """Raises, as ``Functional._adjust_input_rank`` does, for a batch whose inputs do not fit the model's (Keras 3.15).
 
     Why: only the first stage converts a batch (``standardize_inputs``), so
     only it would find out; every rank checks the shapes alone (no
     conversion), so that every rank raises the same error.
     """
+    check_input_structure(functional, x)
     struct = functional._inputs_struct
     if isinstance(x, dict) and not isinstance(struct, dict) and all(t.name in x for t in functional.inputs):
         flat = [x[t.name] for t in functional.inputs]
@@ -256,6 +284,7 @@ def check_input_shapes(functional, x) -> None:
             f"Invalid input shape for input with name '{ref.name}': expected shape {ref_shape}, but the input has "
             f"incompatible shape {shape} (a shape mismatch between the data and the model's input)."
         )
+    return flat
 
 
 def unallocated(variable) -> bool:
@@ -278,7 +307,9 @@ def release_variable(variable) -> None:
     def elsewhere(shape, dtype=None):
         raise RuntimeError(
             f"{path} belongs to another stage of the pipeline; this rank does not hold it (model.get_weights() "
-            "gathers every stage's weights)."
+            "gathers every stage's weights). A model handed to PipelineModel.from_model or from_sequential gives "
+            "the pipeline its layers, and each rank keeps its own stage's weights: use the pipeline from then on "
+            "(pipeline.to_keras() is the whole model again, on rank 0)."
         )
 
     # An unallocated variable would give its initializer's values when read: it raises instead, and
@@ -441,3 +472,27 @@ def check() -> None:
             f"keras_pipe {keras.__version__=} {tf.__version__=}: internals gone: {', '.join(missing)}. "
             "Update keras_pipe/compat.py for this version."
         )
+
+
+def keras_pickle_bytes(model) -> bytes:
+    """What Keras' own ``pickle.dumps(model)`` holds: the model as ``.keras`` bytes (``KerasSaveable.__reduce__``).
+
+    Why: a pipeline pickles the whole model, gathered on rank 0, as Keras
+    pickles one (Keras 3.0-3.15, ``saving_lib._save_model_to_fileobj``).
+    """
+    import io
+
+    from keras.src.saving import saving_lib
+
+    buffer = io.BytesIO()
+    saving_lib._save_model_to_fileobj(model, buffer, "h5")
+    return buffer.getvalue()
+
+
+def keras_unpickle(data: bytes):
+    """The model of :func:`keras_pickle_bytes`, compiled as it was (``KerasSaveable._unpickle_model``, Keras 3.15)."""
+    import io
+
+    from keras.src.saving import saving_lib
+
+    return saving_lib._load_model_from_fileobj(io.BytesIO(data), custom_objects=None, compile=True, safe_mode=False)

@@ -207,6 +207,7 @@ def seed_shuffling(world) -> None:
 
 
 def batch_size_of(data) -> int:
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    first = tf.nest.flatten(x)[0]
-    return int(first.shape[0])
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+    # (the first input that is there: None stands for an optional input, or is Keras' error to raise)
+    first = next((a for a in tf.nest.flatten((x, y)) if a is not None), None)
+    return 0 if first is None else int(first.shape[0])

@@ -181,6 +181,9 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             if inputs is None or outputs is None:
                 raise PipelineConfigError("a Functional PipelineModel needs both inputs= and outputs=.")
             self._use_model(keras.Model(inputs, outputs, name=name))
+            # built as a Functional model is, once constructed: the cut and this rank's stage (collective,
+            # as creating the model is); its weights are those of the layers the graph was made of
+            self._build()
         for item in layers or []:
             self.add(item, rebuild=False)
         if layers:
@@ -260,7 +263,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self.engine.logs.forget()
         compile_checks.check_model(self)
         object.__setattr__(self, "_loss", None)
-        self.engine.configure(jit=jit, eager=bool(self.run_eagerly))
+        self.engine.configure(jit=jit, eager=bool(self.run_eagerly), frozen=not self.trainable)
 
     def compile_from_config(self, config) -> None:
         """Compiles from ``get_compile_config()`` output, as ``keras.Model`` does (used when loading)."""
@@ -307,7 +310,14 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         if self._stand_in_inputs:  # (checked once for the call: see calls.stand_in_inputs)
             return None
         self._build_for(x)
-        compat.check_input_shapes(self._source, x)
+        given = compat.check_input_shapes(self._source, x)
+        absent = [t.name for t, value in zip(self._source.inputs, given) if value is None]
+        if absent:  # (an optional=True input: Keras' Functional model passes None on to the layers)
+            raise PipelineConfigError(
+                f"the optional inputs {absent} were given None: keras_pipe sends every input's rows through the "
+                "pipeline and cannot send None yet. Give them a tensor (what the layer does with None, computed), or "
+                "build the model without those inputs."
+            )
         if not self.engine.is_first:
             return None
         return compat.standardize_inputs(self._source, x)
@@ -429,6 +439,27 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         """
         self.build()
         return int(sum(np.prod(v.shape, dtype=np.int64) for v, _, _ in _weights.ordered(self.engine)))
+
+    @collective
+    def quantize(self, mode=None, config=None, filters=None, **kwargs) -> None:
+        """As ``keras.Model.quantize``, where every rank holds the whole model (one stage); then built anew.
+
+        The stage's compiled functions read the layers' old variables, so the
+        pipeline is cut and built again over the quantized layers. With
+        several stages each rank holds only some layers' weights and could
+        quantize only those: refused on every rank; quantize the Keras model
+        first and pipeline the quantized model (``PipelineModel.from_model``).
+        """
+        if self.engine.num_stages > 1:
+            raise PipelineConfigError(
+                f"quantize() on a PipelineModel cut into {self.engine.num_stages} stages: each rank holds only its "
+                "stage's weights. Quantize the Keras model before pipelining it: model.quantize(mode), then "
+                "PipelineModel.from_model(model, ...)."
+            )
+        super().quantize(mode, config=config, filters=filters, **kwargs)
+        if self.engine.built:
+            self._unbuild()
+            self._build()
 
     @collective
     def summary(self, print_fn=None, **kwargs) -> None:

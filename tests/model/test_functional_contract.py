@@ -1,4 +1,4 @@
-"""The Functional side of Keras' model contract (issue 41), on one rank and on two (tests/mpi_scripts/functional_contract.py).
+"""The Functional side of Keras' model contract (issue 41), on one rank and on two (functional_contract.py).
 
 Built once constructed, quantize(), None for inputs, from_config of a
 Functional config, trainable=False at construction, the inputs' structure
