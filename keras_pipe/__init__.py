@@ -19,9 +19,14 @@ keras_pipe train.py`` to have MPI started, and a failure on any rank end the
 job, before the script's first line (see :mod:`keras_pipe.__main__`).
 """
 
-# First, before TensorFlow (whose import may fail on a broken host): MPI, and the hook that makes
+# First, before TensorFlow (whose import may fail on a broken host): MPI (under a deadline: a rank
+# that failed before starting MPI would leave this one in MPI_Init for ever), and the hook that makes
 # an uncaught error on one rank end the whole job. Neither communicates.
-from keras_pipe.mpi.failure import install_excepthook as _install_excepthook
+from keras_pipe.mpi.start import start_mpi as _start_mpi
+
+_start_mpi()
+
+from keras_pipe.mpi.failure import install_excepthook as _install_excepthook  # noqa: E402
 
 _install_excepthook()
 

@@ -6,9 +6,10 @@ installs keras_pipe's failure hook (see :mod:`keras_pipe.mpi.failure`) before
 included, ends the whole job within seconds, naming the rank. Run as plain
 ``python train.py``, a rank that fails before it starts MPI (before
 ``import keras_pipe`` or ``from mpi4py import MPI``) leaves the other ranks
-inside ``MPI_Init`` under MPICH, where no library can speak, until the
-launcher is stopped. (``python -m mpi4py`` does not start MPI before the
-script either.)
+inside ``MPI_Init`` under MPICH: those that started MPI through ``import
+keras_pipe`` end after the start timeout (:mod:`keras_pipe.mpi.start`), those
+whose script imported ``mpi4py`` first wait until the launcher is stopped.
+(``python -m mpi4py`` does not start MPI before the script either.)
 
 Example:
 

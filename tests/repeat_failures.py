@@ -134,7 +134,6 @@ def table(cases: list[str], load: int) -> int:
         for runner in test_failure_matrix.RUNNERS
         for mode in test_failure_matrix.MESSAGES
         for n in (2, 3, 4)
-        if not (mode == "before-mpi" and runner == "python")  # (MPICH's ranks wait in MPI_Init: never ends)
     ]
     chosen = [c for c in every if not cases or case_name(None, c) in cases]
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]

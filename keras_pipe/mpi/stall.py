@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from keras_pipe.errors import PipelineStallError
+from keras_pipe.mpi import start
 
 TAG_STATUS_REQUEST = 21  # a stalled rank asks every other rank what it is doing
 TAG_STATUS_REPLY = 22
@@ -42,7 +43,7 @@ DEFAULT_STALL_TIMEOUT = 600.0
 # first lines, a broken import) is then named within this long, not the
 # stall timeout's ten minutes. Raise it (KERAS_PIPE_START_TIMEOUT) where
 # ranks start far apart, e.g. from a slow shared filesystem.
-DEFAULT_START_TIMEOUT = 30.0
+DEFAULT_START_TIMEOUT = start.DEFAULT_START_TIMEOUT  # (also MPI_Init's deadline: keras_pipe.mpi.start)
 
 
 def start_timeout_from_env(environ=os.environ) -> float:

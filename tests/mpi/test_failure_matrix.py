@@ -28,7 +28,8 @@ START_TIMEOUT = 15  # (KERAS_PIPE_START_TIMEOUT, the suite's; the default is 30 
 # Seconds from the failure to the job's end. A rank that fails before keras_pipe (plain python) is found at
 # the first rendezvous: its failure, the others' TensorFlow import (up to ~25 s on 2 loaded cores), the start
 # timeout, the report's 5 s grace. Every other failure is announced by the failing rank itself (~2 s alone).
-BOUNDS = {"script": 60 + START_TIMEOUT}
+# Before MPI, under plain python: the others wait in MPI_Init its deadline, the start timeout (mpi/start.py).
+BOUNDS = {"script": 60 + START_TIMEOUT, "before-mpi": 30 + START_TIMEOUT}
 AFTER_FAILURE = 30
 
 
@@ -36,13 +37,17 @@ def failure_case(nprocs: int, runner: str, mode: str, start_timeout: float | Non
     """Launches one case; ``(launch, seconds from the failure to the end, whether rank 1 was named)``."""
     env = {} if start_timeout is None else {"KERAS_PIPE_START_TIMEOUT": str(start_timeout)}
     launch = run_mpi(nprocs, "early_failure.py", mode, timeout=180, env=env, python_args=RUNNERS[runner])
-    named = f"[keras_pipe] rank 1 of {nprocs}" in launch.output or (
+    # (before MPI, under plain python, the failing rank never started keras_pipe: its own traceback names
+    # it, and the others say where they waited and why)
+    waited = "keras_pipe_waits_in_MPI_Init_for_the_other_ranks__one_probably_failed_before_starting_MPI"
+    named = f"[keras_pipe] rank 1 of {nprocs}" in launch.output or waited in launch.output or (
         "  rank 1: no answer within" in launch.output and "failed before its first PipelineModel" in launch.output
     )
     return launch, launch.seconds_after("FAILING AT"), named
 
 
 CASES = [
+    (2, "python", "before-mpi"),
     (2, "python", "script"),
     (2, "python", "after-import"),
     (2, "python", "first-collective"),
@@ -63,7 +68,7 @@ def test_a_failing_rank_ends_the_job_naming_itself(nprocs, runner, mode):
     assert MESSAGES[mode] in launch.output, launch.output
     assert named, launch.output
     assert "finished without noticing" not in launch.output, launch.output
-    if runner != "python" or mode != "script":
+    if runner != "python" or mode not in ("script", "before-mpi"):
         assert f"[keras_pipe] rank 1 is aborting all {nprocs} ranks" in launch.output, launch.output
         # (a survivor may see rank 1's process gone after its MPI_Abort, before Hydra kills it: it then
         # writes a report too, naming rank 1 again; seen once in 22 runs of 2-python-later)

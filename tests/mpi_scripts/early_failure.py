@@ -42,6 +42,10 @@ if mode == "before-mpi" and os.environ.get("PMI_RANK") == "1":  # (Hydra's rank,
     failing()
     raise RuntimeError("rank 1 failed before importing mpi4py")
 
+if mode == "before-mpi":
+    # first, as a plain-python script must for this: MPI starts under keras_pipe's deadline (mpi/start.py)
+    import keras_pipe  # noqa: E402, F401
+
 from mpi4py import MPI  # noqa: E402
 
 RANK = MPI.COMM_WORLD.Get_rank()
