@@ -9,7 +9,7 @@ import pytest
 from mpi import require_keras_hub, run_mpi
 
 HUB = ["encoder", "decoder", "gpt2", "bert"]
-GRAPHS = ["skip", "multi", "dynamic", "resnet", "child"]
+GRAPHS = ["skip", "multi", "dynamic", "resnet", "child", "partial"]
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 4])

@@ -183,7 +183,10 @@ class TiedReducer:
                     comm = Communicator(created(split), pipeline.stall_timeout, parent=pipeline._parent or pipeline)
             if not member:
                 continue
-            positions = [position[id(v)] for unit in units for v in model_graph.units[unit].trainable_weights]
+            # (each variable once: the units held together share some)
+            positions = list(
+                dict.fromkeys(position[id(v)] for unit in units for v in model_graph.units[unit].trainable_weights)
+            )
             if stage != min(stages):
                 for p in positions:
                     counted[p] = False

@@ -84,6 +84,8 @@ class Graph:
     nodes: tuple
     inputs: tuple
     outputs: tuple
+    # units whose layers share variables (neither holding all the other's): a stage holding one holds all
+    together: tuple = ()
 
     def __post_init__(self):
         check(self)
@@ -225,6 +227,9 @@ def cut(graph: Graph, sizes: Sequence[int]) -> Cut:
         model_inputs = tuple(graph.inputs) if s == 0 else ()
         outputs = tuple(c.tensor for c in sends) + (tuple(graph.outputs) if s == last else ())
         units = tuple(dict.fromkeys(graph.nodes[n].unit for n in nodes if graph.nodes[n].unit is not None))
+        for group in graph.together:
+            if any(unit in group for unit in units):
+                units = tuple(dict.fromkeys(units + tuple(group)))
         stages.append(
             Stage(s, tuple(nodes), model_inputs + tuple(c.tensor for c in receives), receives, sends, outputs, units)
         )

@@ -191,8 +191,8 @@ def from_model(model: keras.Model, stages: int = 1) -> ModelGraph:
     walk = _Walk(split_above=total / stages if stages > 1 else float("inf"), total=total)
     inputs = [walk.new_tensor(kt, kt.name) for kt in functional.inputs]
     outputs = walk.run(functional, inputs)
-    walk.merge_units()
-    plain = cut.Graph(tuple(walk.tensors), tuple(walk.nodes), tuple(inputs), tuple(outputs))
+    together = walk.merge_units()
+    plain = cut.Graph(tuple(walk.tensors), tuple(walk.nodes), tuple(inputs), tuple(outputs), together)
     weight_order = _weight_order(model if source is None else source, walk)
     owner = model if source is None else functional
     return ModelGraph(owner, plain, walk.calls, walk.units, weight_order, walk.notes)
@@ -229,16 +229,22 @@ class _Walk:
         self.index_of[id(kt)] = len(self.tensors) - 1
         return len(self.tensors) - 1
 
-    def merge_units(self) -> None:
-        """One unit for layers that hold the same variables: the one holding them all.
+    def merge_units(self) -> tuple:
+        """One unit for layers that hold the same variables; the groups of units that share some of theirs.
 
         ``OPTCausalLM`` looks its tokens up with its ``embeddings`` layer (a
         ``TokenAndPositionEmbedding``) and projects its logits with that
         layer's child ``token_embedding``: two layers, one variable. A call of
-        the child belongs to the parent's unit, so a stage calling either
-        holds the parent's weights and the stages holding them are tied
-        (their gradients summed). Layers whose variables overlap without one
-        holding all of the other's are refused: no unit could own them.
+        a layer whose variables another unit holds all of belongs to that
+        unit, so a stage calling either holds the whole unit's weights and
+        the stages holding it are tied (their gradients summed).
+
+        Layers that share some variables, neither holding all of the
+        other's (DistilBERT's embeddings and its masked-LM head, which holds
+        the token table beside its own weights), stay two units that are
+        held together (returned as groups, ``cut.Graph.together``): a stage
+        that holds one holds both, and the weights of both are tied over the
+        stages holding them.
         """
         held = {unit: {id(v) for v in layer.variables} for unit, layer in self.units.items()}
         owner = {}
@@ -246,28 +252,28 @@ class _Walk:
             wider = [u for u, other in held.items() if u != unit and ids <= other and (ids < other or u < unit)]
             if wider:
                 owner[unit] = max(wider, key=lambda u: (len(held[u]), u))
-                continue
-            for other_unit, other in held.items():
-                if other_unit != unit and ids & other and not ids <= other and not other <= ids:
-                    raise PipelineConfigError(
-                        f"the layers {unit!r} and {other_unit!r} share some of their variables, and neither "
-                        "holds all of the other's: keras_pipe places a layer's variables with it. Share whole "
-                        "layers (call one layer twice) or a parent layer and its child."
-                    )
-        if not owner:
-            return
 
         def root(unit):
             while unit in owner:
                 unit = owner[unit]
             return unit
 
-        self.nodes = [
-            dataclasses.replace(node, unit=root(node.unit)) if node.unit in owner else node for node in self.nodes
-        ]
-        for unit in owner:
-            del self.units[unit]
-        self.unit_of = {key: root(unit) for key, unit in self.unit_of.items()}
+        if owner:
+            self.nodes = [
+                dataclasses.replace(node, unit=root(node.unit)) if node.unit in owner else node for node in self.nodes
+            ]
+            for unit in owner:
+                del self.units[unit]
+            self.unit_of = {key: root(unit) for key, unit in self.unit_of.items()}
+        group_of = {unit: {unit} for unit in self.units}
+        for unit in self.units:
+            for other in self.units:
+                if unit < other and held[unit] & held[other] and group_of[unit] is not group_of[other]:
+                    merged = group_of[unit] | group_of[other]
+                    for member in merged:
+                        group_of[member] = merged
+        groups = {id(g): g for g in group_of.values() if len(g) > 1}
+        return tuple(tuple(sorted(g)) for g in groups.values())
 
     def run(self, functional, inputs: list) -> list:
         for kt, index in zip(functional.inputs, inputs):

@@ -132,10 +132,14 @@ def test_a_child_layer_called_apart_from_its_parent_is_the_parents_unit():
     assert cut(model_graph.plain, [2, 1]).shared == {"parent": (0, 1)}
 
 
-def test_layers_sharing_part_of_their_variables_are_refused_naming_both():
+def test_layers_sharing_part_of_their_variables_are_held_together():
+    # (DistilBERT: its embeddings and its masked-LM head both hold the token table, each beside weights of its own)
     inputs = keras.Input((4,))
     child = keras.layers.Dense(4, name="child")
     first, second = _Parent(child, name="first"), _Parent(child, name="second")
-    outputs = second(first(inputs))
-    with pytest.raises(PipelineConfigError, match="'first' and 'second' share some of their variables"):
-        graph.from_model(keras.Model(inputs, outputs))
+    outputs = keras.layers.Dense(4, name="last")(second(keras.layers.Dense(4, name="middle")(first(inputs))))
+    model_graph = graph.from_model(keras.Model(inputs, outputs))
+    assert model_graph.plain.together == (("first", "second"),)
+    two = cut(model_graph.plain, [2, 2])
+    assert [stage.units for stage in two.stages] == [("first", "middle", "second"), ("second", "last", "first")]
+    assert two.shared == {"first": (0, 1), "second": (0, 1)}

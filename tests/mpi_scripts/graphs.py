@@ -10,7 +10,9 @@ called on two branches that fall on different stages: tied weights),
 (keras.applications' ResNet: residual adds across stage boundaries; with one
 micro-batch its BatchNormalization sees the batch the unsplit model sees),
 ``child`` (OPT's head: a layer's child called on the last stage, its parent
-on the first: one variable, two layers, tied).
+on the first: one variable, two layers, tied), ``partial`` (DistilBERT's
+masked-LM head: a layer holding the first stage's token table beside weights
+of its own; the two layers are held together and tied).
 """
 
 import sys
@@ -208,7 +210,47 @@ def child(case):
         assert model.engine.cut.shared == {"embeddings": (0, SIZE - 1)}, model.engine.cut.shared
 
 
-CASES = {"skip": skip, "multi": multi, "dynamic": dynamic, "resnet": resnet, "child": child}
+class Head(keras.layers.Layer):
+    """keras_hub's MaskedLMHead, small: a dense layer, then the token table (another layer's) reversed, a bias."""
+
+    def __init__(self, token, **kwargs):
+        super().__init__(**kwargs)
+        self.token = token
+        self.dense = keras.layers.Dense(8, activation="tanh", name="transform")
+
+    def build(self, shape):
+        self.dense.build(shape)
+        self.bias = self.add_weight(shape=(20,), initializer="zeros", name="bias")
+
+    def call(self, h):
+        return self.token(self.dense(h), reverse=True) + self.bias
+
+
+def partial(case):
+    x = rng.integers(0, 20, size=(64, 6))
+    y = rng.integers(0, 20, size=(64, 6))
+
+    def make():
+        ids = keras.Input((6,), dtype="int32", name="ids")
+        embed = TokenAndPosition(name="embeddings")
+        h = embed(ids)
+        for k in range(3):
+            h = keras.layers.Dense(8, activation="tanh", name=f"d{k}")(h)
+        return keras.Model(ids, Head(embed.token, name="head")(h))
+
+    def adamw():
+        return dict(
+            optimizer=keras.optimizers.AdamW(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["sparse_categorical_accuracy"],
+        )
+
+    model = compare(case, make, adamw, x, y, num_microbatches=2)
+    if SIZE > 1:
+        assert model.engine.cut.shared == {"embeddings": (0, SIZE - 1), "head": (0, SIZE - 1)}, model.engine.cut.shared
+
+
+CASES = {"skip": skip, "multi": multi, "dynamic": dynamic, "resnet": resnet, "child": child, "partial": partial}
 for name in sys.argv[1:] or list(CASES):
     CASES[name](name)
     print(f"GRAPH OK {name} rank {RANK}", flush=True)
