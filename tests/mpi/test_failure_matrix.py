@@ -40,8 +40,10 @@ def failure_case(nprocs: int, runner: str, mode: str, start_timeout: float | Non
     # (before MPI, under plain python, the failing rank never started keras_pipe: its own traceback names
     # it, and the others say where they waited and why)
     waited = "keras_pipe_waits_in_MPI_Init_for_the_other_ranks__one_probably_failed_before_starting_MPI"
-    named = f"[keras_pipe] rank 1 of {nprocs}" in launch.output or waited in launch.output or (
-        "  rank 1: no answer within" in launch.output and "failed before its first PipelineModel" in launch.output
+    named = (
+        f"[keras_pipe] rank 1 of {nprocs}" in launch.output
+        or waited in launch.output
+        or ("  rank 1: no answer within" in launch.output and "failed before its first PipelineModel" in launch.output)
     )
     return launch, launch.seconds_after("FAILING AT"), named
 
