@@ -228,6 +228,22 @@ def executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
+def flat_inputs(functional, inputs) -> list:
+    """``inputs`` flat, in the order of ``functional.inputs``, as ``Functional._standardize_inputs`` orders them.
+
+    Why: a dict given to a model whose inputs are a list (keras_hub's
+    Gemma3n task calls its backbone, built on ``[token_ids,
+    padding_mask]``, with a dict) is read by the inputs' names, not in the
+    dict's sorted order (Keras 3.15).
+    """
+    struct = functional._inputs_struct
+    if isinstance(inputs, dict) and not isinstance(struct, dict):
+        names = [t.name for t in keras.tree.flatten(struct)]
+        if set(names) <= set(inputs):
+            return [inputs[name] for name in names]
+    return keras.tree.flatten(inputs)
+
+
 def check_input_structure(functional, x, name: str | None = None) -> None:
     """Raises as a Functional model's ``__call__`` does for inputs of another structure (Keras 3.15).
 
@@ -263,11 +279,7 @@ def check_input_shapes(functional, x) -> list:
     conversion), so that every rank raises the same error.
     """
     check_input_structure(functional, x)
-    struct = functional._inputs_struct
-    if isinstance(x, dict) and not isinstance(struct, dict) and all(t.name in x for t in functional.inputs):
-        flat = [x[t.name] for t in functional.inputs]
-    else:
-        flat = keras.tree.flatten(x)
+    flat = flat_inputs(functional, x)
     for given, ref in zip(flat, functional.inputs):
         if given is None or not hasattr(given, "shape"):
             continue

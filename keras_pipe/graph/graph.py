@@ -298,7 +298,7 @@ class _Walk:
                 f"the nested model {node.operation.name!r} is called with more than its inputs ({extra or args}); "
                 "keras_pipe expands a nested model called as model(inputs)."
             )
-        given = keras.tree.flatten(args[0])
+        given = compat.flat_inputs(inner, args[0])  # (a dict to a model built on a list: by the inputs' names)
         if len(given) != len(inner.inputs):
             raise PipelineConfigError(
                 f"the nested model {node.operation.name!r} takes {len(inner.inputs)} inputs but is called with "

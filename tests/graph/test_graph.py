@@ -143,3 +143,18 @@ def test_layers_sharing_part_of_their_variables_are_held_together():
     two = cut(model_graph.plain, [2, 2])
     assert [stage.units for stage in two.stages] == [("first", "middle", "second"), ("second", "last", "first")]
     assert two.shared == {"first": (0, 1), "second": (0, 1)}
+
+
+def test_a_nested_model_built_on_a_list_and_called_with_a_dict_reads_its_inputs_by_name():
+    # (keras_hub's Gemma3nCausalLM calls its backbone, built on [token_ids, padding_mask], with a dict: in the
+    # dict's sorted order the two would swap)
+    from keras_pipe import PipelineModel
+
+    second, first = keras.Input((2,), name="second"), keras.Input((2,), name="first")
+    inner = keras.Model([second, first], keras.layers.Dense(2, name="d")(second) - 3.0 * first)
+    given = {"second": keras.Input((2,), name="second"), "first": keras.Input((2,), name="first")}
+    outer = keras.Model(given, inner({"second": given["second"], "first": given["first"]}))
+    data = {"second": np.ones((4, 2), "float32"), "first": np.full((4, 2), 2.0, "float32")}
+    expected = outer.predict(data, verbose=0)
+    pipeline = PipelineModel.from_model(outer)
+    np.testing.assert_allclose(pipeline.predict(data, verbose=0), expected, rtol=1e-6)
