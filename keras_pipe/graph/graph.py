@@ -288,7 +288,9 @@ class _Walk:
 
     def _expand(self, node, inner) -> None:
         """A nested model's nodes in place of its call: its inputs are the call's tensors."""
-        args, kwargs = node.arguments.args, node.arguments.kwargs
+        args, kwargs = list(node.arguments.args), dict(node.arguments.kwargs)
+        if not args and "inputs" in kwargs:  # model(inputs=...), as keras_hub's Gemma 3 task calls its backbone
+            args = [kwargs.pop("inputs")]
         # (Keras records mask=None, or a structure of Nones, on a nested model's call)
         extra = sorted(
             k for k, v in kwargs.items() if k != "training" and any(leaf is not None for leaf in keras.tree.flatten(v))

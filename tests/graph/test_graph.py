@@ -158,3 +158,17 @@ def test_a_nested_model_built_on_a_list_and_called_with_a_dict_reads_its_inputs_
     expected = outer.predict(data, verbose=0)
     pipeline = PipelineModel.from_model(outer)
     np.testing.assert_allclose(pipeline.predict(data, verbose=0), expected, rtol=1e-6)
+
+
+def test_a_nested_model_called_with_inputs_as_a_keyword_is_expanded():
+    # (keras_hub's Gemma 3, Gemma 4 and PaliGemma tasks call their backbone as backbone(inputs=...))
+    from keras_pipe import PipelineModel
+
+    inner_input = keras.Input((3,), name="x")
+    inner = keras.Model(inner_input, keras.layers.Dense(2, name="inner_dense")(inner_input))
+    given = keras.Input((3,), name="x")
+    outer = keras.Model(given, keras.layers.Dense(1, name="head")(inner(inputs=given)))
+    assert [n.name for n in graph.from_model(outer).plain.nodes] == ["inner_dense", "head"]
+    data = np.arange(12, dtype="float32").reshape(4, 3)
+    expected = outer.predict(data, verbose=0)
+    np.testing.assert_allclose(PipelineModel.from_model(outer).predict(data, verbose=0), expected, rtol=1e-6)
