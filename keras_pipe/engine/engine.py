@@ -318,7 +318,7 @@ class Engine:
         measured, notes = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
         for note in notes:  # (the same on every rank)
             warnings.warn(note, stacklevel=2)
-        problems = probe.differences(self.cut.graph, measured)
+        problems = probe.differences(self.cut.graph, measured) + probe.rows_not_first(self.cut, measured)
         if problems:
             raise PipelineConfigError(
                 "the model's tensors do not have the shapes its graph says: " + "; ".join(problems[:5])

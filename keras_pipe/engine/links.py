@@ -28,6 +28,12 @@ from keras_pipe.errors import RankMismatchError
 from keras_pipe.mpi.comm import TAG_ACTIVATION, TAG_GRADIENT, TAG_PROBE, TAG_TARGETS, Communicator
 from keras_pipe.stage.compute import Masked
 
+# The dtypes a probe's tensor may have, by their index in its header.
+PROBE_DTYPES = (
+    "float32", "float64", "float16", "bfloat16", "bool", "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64", "complex64", "complex128",
+)  # fmt: skip
+
 
 class Links:
     """A stage's messages to and from the other stages.
@@ -129,7 +135,7 @@ class Links:
         """A probe's tensor with its whole shape and its mask's, whatever the graph says (see :mod:`probe`)."""
         tensor, mask = (value.tensor, value.mask) if isinstance(value, Masked) else (value, None)
         tensor = _host(tensor)
-        header = [tensor.ndim, *tensor.shape, int(mask is not None)]
+        header = [tensor.ndim, *tensor.shape, PROBE_DTYPES.index(str(tensor.dtype)), int(mask is not None)]
         if mask is not None:
             mask = _host(mask).view(np.uint8)
             header += [mask.ndim, *mask.shape]
@@ -138,11 +144,12 @@ class Links:
         if mask is not None:
             self.comm.send(mask, destination, TAG_PROBE)
 
-    def receive_described(self, source: int, dtype: str):
+    def receive_described(self, source: int):
+        """The tensor :meth:`send_described` sent, in the dtype it had there (the graph's may differ: checked later)."""
         header = [int(h) for h in self.comm.recv(source, TAG_PROBE, (), np.int64)]
         ndim = header[0]
-        shape, rest = header[1 : 1 + ndim], header[1 + ndim :]
-        tensor = self.comm.recv_exact(source, TAG_PROBE, tuple(shape), tf.as_dtype(dtype).as_numpy_dtype)
+        shape, sent, rest = header[1 : 1 + ndim], PROBE_DTYPES[header[1 + ndim]], header[2 + ndim :]
+        tensor = self.comm.recv_exact(source, TAG_PROBE, tuple(shape), tf.as_dtype(sent).as_numpy_dtype)
         if not rest[0]:
             return tf.convert_to_tensor(tensor)
         mask_shape = tuple(rest[2 : 2 + rest[1]])

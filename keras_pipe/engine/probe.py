@@ -70,7 +70,9 @@ def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = Fa
     for part in pipeline.allgather_json(found) if pipeline.size > 1 else [found]:
         notes += part.pop(NOTES, [])
         merged.update(part)
-    measured = {int(t): (tuple(shape), None if mask is None else tuple(mask)) for t, (shape, mask) in merged.items()}
+    measured = {}
+    for t, (shape, mask, dtype) in merged.items():
+        measured[int(t)] = (tuple(shape), None if mask is None else tuple(mask), dtype)
     return measured, notes
 
 
@@ -81,7 +83,7 @@ def _measure_stage(stage, calls, links, sample, eager: bool) -> dict:
     """One stage's part of :func:`measure`: receive, run, send; what it computed, as JSON."""
     inputs = list(sample) if stage.index == 0 else []
     for crossing in stage.receives:
-        inputs.append(links.receive_described(crossing.source, links.tensors[crossing.tensor].dtype))
+        inputs.append(links.receive_described(crossing.source))
     forward = _forward(stage, calls)
     values, masks = forward(inputs) if eager else tf.function(forward, autograph=False)(inputs)
     # Each tensor as the stage that computed it saw it once its stage was done (a layer may take the mask
@@ -90,9 +92,11 @@ def _measure_stage(stage, calls, links, sample, eager: bool) -> dict:
     computed = set(stage.model_inputs) | {t for call in calls for t in call.outputs}
     found = {}
     for t, value in values.items():
+        if value is None:  # (a layer's output it gave as None, read by no node: XLNet's encoder's second)
+            continue
         if t in computed:
             mask = masks.get(t)
-            found[str(t)] = [list(value.shape), None if mask is None else list(mask.shape)]
+            found[str(t)] = [list(value.shape), None if mask is None else list(mask.shape), value.dtype.name]
     notes = batch_loss_notes(calls, values)
     if notes:
         found[NOTES] = notes
@@ -102,6 +106,33 @@ def _measure_stage(stage, calls, links, sample, eager: bool) -> dict:
         for destination in crossing.destinations:
             links.send_described(outgoing, destination)
     return found
+
+
+def rows_not_first(the_cut, measured: dict) -> list[str]:
+    """The crossings whose tensor does not have the micro-batch's rows on its first axis (as measured).
+
+    Stages send a micro-batch's tensors with its rows first, and check them
+    on arrival; a tensor laid out another way (XLNet's encoder is
+    time-major: ``(length, batch, width)``) cannot cross, and would fail on
+    the receiving rank alone: said on every rank, with what to do.
+    """
+    graph = the_cut.graph
+    rows = {measured[t][0][0] for t in graph.inputs if t in measured and measured[t][0]}
+    if len(rows) != 1:
+        return []
+    (count,) = rows
+    problems = []
+    for crossing in the_cut.crossings:
+        shape = measured.get(crossing.tensor, ((),))[0]
+        if shape and shape[0] != count:
+            problems.append(
+                f"{graph.tensors[crossing.tensor].name} crosses from stage {crossing.source} to "
+                f"{list(crossing.destinations)} with shape {tuple(shape)} for a micro-batch of {count} rows: "
+                "keras_pipe sends tensors with the batch's rows on their first axis (this one has another axis "
+                "first, as XLNet's time-major encoder has); cut the model elsewhere (split_before=...) or keep "
+                "these layers on one stage"
+            )
+    return problems
 
 
 def batch_loss_notes(calls, values: dict, rtol: float = 1e-4) -> list[str]:
@@ -216,9 +247,11 @@ def masks_of(graph, measured: dict) -> dict:
 def differences(graph, measured: dict) -> list[str]:
     """Where real tensors disagree with the symbolic graph: a dtype or a fixed dimension (errors), or a mask."""
     notes = []
-    for t, (shape, _) in measured.items():
+    for t, (shape, _, dtype) in measured.items():
         tensor = graph.tensors[t]
         fixed = [d for d in tensor.shape[1:]]
         if len(shape) != len(tensor.shape) or any(d is not None and d != s for d, s in zip(fixed, shape[1:])):
             notes.append(f"{tensor.name!r} has shape {shape} on real tensors but {tensor.shape} in the model's graph")
+        if dtype != tensor.dtype:  # (links send a tensor's bytes as the graph's dtype)
+            notes.append(f"{tensor.name!r} is {dtype} on real tensors but {tensor.dtype} in the model's graph")
     return notes
