@@ -129,8 +129,8 @@ def rows_not_first(the_cut, measured: dict) -> list[str]:
                 f"{graph.tensors[crossing.tensor].name} crosses from stage {crossing.source} to "
                 f"{list(crossing.destinations)} with shape {tuple(shape)} for a micro-batch of {count} rows: "
                 "keras_pipe sends tensors with the batch's rows on their first axis (this one has another axis "
-                "first, as XLNet's time-major encoder has); cut the model elsewhere (split_before=...) or keep "
-                "these layers on one stage"
+                "first, as a time-major encoder's, or no batch axis, as a table of positions); cut the model "
+                "elsewhere (split_before=...) or keep these layers on one stage"
             )
     return problems
 
