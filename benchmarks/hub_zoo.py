@@ -1107,6 +1107,12 @@ def drive(args):
     if unknown:
         sys.exit(f"unknown families {unknown}; --list shows them")
     rows, started = [], time.monotonic()
+    if args.update:  # the rows of an earlier run, the families run now replaced
+        kept = json.loads(Path(args.update).read_text())
+        kept = kept if isinstance(kept, dict) else dict(rows=kept)  # (a run's rows alone, before --update)
+        args.commands = kept.get("commands", []) + [_command()]
+        rows = [r for r in kept["rows"] if not (r["family"] in names and r["ranks"] in args.ranks)]
+        args.json = args.json or args.update
     log = open(args.log, "a") if args.log else open(os.devnull, "w")
     for ranks in args.ranks:
         remaining = list(names)
@@ -1142,7 +1148,7 @@ def drive(args):
 
 def save(args, rows, total, final):
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(dict(commands=_commands(args), rows=rows), indent=1))
     if args.markdown:
         write_markdown(args, rows, total, final)
 
@@ -1159,20 +1165,44 @@ def families_names():
     return out.stdout.split()
 
 
+def _command() -> str:
+    return "python benchmarks/hub_zoo.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _commands(args) -> list:
+    return getattr(args, "commands", None) or [_command()]
+
+
+def _order(rows) -> list:
+    """Rows by rank count, then in the families' order (the runs of ``--update`` appended theirs at the end)."""
+    names = {name: k for k, name in enumerate(families_names())}
+    return sorted(rows, key=lambda r: (r["ranks"], names.get(r["family"], len(names))))
+
+
 def write_markdown(args, rows, total, final=True):
-    command = "python benchmarks/hub_zoo.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    commands = _commands(args)
+    rows = _order(rows)
+    counts = []
+    for ranks in sorted({r["ranks"] for r in rows}):
+        verdicts = [r["verdict"] for r in rows if r["ranks"] == ranks]
+        tally = ", ".join(f"{verdicts.count(v)} {v}" for v in dict.fromkeys(sorted(verdicts)))
+        counts.append(f"- **{ranks} ranks**: {len(verdicts)} families: {tally}")
     out = [
         "# keras_hub zoo: every family, pipelined, against the unsplit model",
         "",
         (
-            f"Produced by (the whole table, {total / 60:.0f} minutes on this machine):"
+            "Produced by (the last command's run took "
+            f"{total / 60:.0f} minutes on this machine; each later command reran its families, their rows replacing "
+            "the earlier ones):"
             if final
             else f"PARTIAL: the run below was stopped after {len(rows)} rows, {total / 60:.0f} minutes:"
         ),
         "",
         "```",
-        command,
+        *commands,
         "```",
+        "",
+        *counts,
         "",
         "Each row: a tiny model of the family (built from constructor arguments, nothing downloaded) trained with "
         f"AdamW(1e-3), {EPOCHS} epochs of {ROWS // BATCH} batches of {BATCH} rows, `num_microbatches={MICRO}`, "
@@ -1247,6 +1277,9 @@ def main():
         default=str(Path(sys.executable).parent / "mpirun")
         if (Path(sys.executable).parent / "mpirun").exists()
         else "mpirun",
+    )
+    parser.add_argument(
+        "--update", help="a --json file of an earlier run: rerun --families there, keep its other rows, write it back"
     )
     parser.add_argument(
         "--reference-cache",
