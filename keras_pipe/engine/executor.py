@@ -293,7 +293,9 @@ def _rows(value, start: int, stop: int):
 
 
 def rows(value, start: int, stop: int):
-    """Rows ``start:stop`` of an array or tensor, a ``tf.SparseTensor``'s too."""
+    """Rows ``start:stop`` of an array or tensor, a ``tf.SparseTensor``'s too; ``None`` (an absent optional input) kept."""
+    if value is None:
+        return None
     if isinstance(value, tf.SparseTensor):
         size = tf.concat([[stop - start], tf.shape(value, out_type=tf.int64)[1:]], 0)
         begin = tf.concat([[start], tf.zeros_like(size[1:])], 0)

@@ -311,12 +311,16 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             return None
         self._build_for(x)
         given = compat.check_input_shapes(self._source, x)
-        absent = [t.name for t, value in zip(self._source.inputs, given) if value is None]
-        if absent:  # (an optional=True input: Keras' Functional model passes None on to the layers)
+        # (None for an optional=True input: the first stage's layers get None, as in Keras' Functional model;
+        # one a later stage reads would have to cross, which None cannot)
+        graph = self.engine.cut.graph
+        crossing = {c.tensor for c in self.engine.cut.crossings}
+        absent = [t.name for t, k, v in zip(self._source.inputs, graph.inputs, given) if v is None and k in crossing]
+        if absent:
             raise PipelineConfigError(
-                f"the optional inputs {absent} were given None: keras_pipe sends every input's rows through the "
-                "pipeline and cannot send None yet. Give them a tensor (what the layer does with None, computed), or "
-                "build the model without those inputs."
+                f"the optional inputs {absent} were given None, and a later stage reads them: keras_pipe sends a "
+                "tensor's rows between stages and cannot send None. Give them a tensor, or keep the layers that "
+                "read them on the first stage (split_before=...)."
             )
         if not self.engine.is_first:
             return None
