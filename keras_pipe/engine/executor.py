@@ -293,7 +293,7 @@ def _rows(value, start: int, stop: int):
 
 
 def rows(value, start: int, stop: int):
-    """Rows ``start:stop`` of an array or tensor, a ``tf.SparseTensor``'s too; ``None`` (an absent optional input) kept."""
+    """Rows ``start:stop`` of an array or tensor, a ``tf.SparseTensor``'s too; ``None`` (an optional input) kept."""
     if value is None:
         return None
     if isinstance(value, tf.SparseTensor):
