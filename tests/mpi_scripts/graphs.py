@@ -185,31 +185,6 @@ class TokenAndPosition(keras.layers.Layer):
         return self.token(ids) + self.position
 
 
-def child(case):
-    x = rng.integers(0, 20, size=(64, 6))
-    y = rng.integers(0, 20, size=(64, 6))
-
-    def make():
-        ids = keras.Input((6,), dtype="int32", name="ids")
-        embed = TokenAndPosition(name="embeddings")
-        h = embed(ids)
-        for k in range(3):
-            h = keras.layers.Dense(8, activation="tanh", name=f"d{k}")(h)
-        logits = embed.token(h, reverse=True)  # the child, as OPTCausalLM's head
-        return keras.Model(ids, logits)
-
-    def adamw():
-        return dict(
-            optimizer=keras.optimizers.AdamW(1e-2),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["sparse_categorical_accuracy"],
-        )
-
-    model = compare(case, make, adamw, x, y, num_microbatches=2)
-    if SIZE > 1:
-        assert model.engine.cut.shared == {"embeddings": (0, SIZE - 1)}, model.engine.cut.shared
-
-
 class Head(keras.layers.Layer):
     """keras_hub's MaskedLMHead, small: a dense layer, then the token table (another layer's) reversed, a bias."""
 
@@ -226,7 +201,8 @@ class Head(keras.layers.Layer):
         return self.token(self.dense(h), reverse=True) + self.bias
 
 
-def partial(case):
+def tied_token_table(case, head):
+    """A token table looked up on the first stage and read by ``head`` on the last (AdamW): tied, as Keras' step."""
     x = rng.integers(0, 20, size=(64, 6))
     y = rng.integers(0, 20, size=(64, 6))
 
@@ -236,7 +212,7 @@ def partial(case):
         h = embed(ids)
         for k in range(3):
             h = keras.layers.Dense(8, activation="tanh", name=f"d{k}")(h)
-        return keras.Model(ids, Head(embed.token, name="head")(h))
+        return keras.Model(ids, head(embed)(h))
 
     def adamw():
         return dict(
@@ -245,7 +221,19 @@ def partial(case):
             metrics=["sparse_categorical_accuracy"],
         )
 
-    model = compare(case, make, adamw, x, y, num_microbatches=2)
+    return compare(case, make, adamw, x, y, num_microbatches=2)
+
+
+def child(case):
+    # the child itself, as OPTCausalLM's head: its parent's unit, on both stages
+    model = tied_token_table(case, lambda embed: lambda h: embed.token(h, reverse=True))
+    if SIZE > 1:
+        assert model.engine.cut.shared == {"embeddings": (0, SIZE - 1)}, model.engine.cut.shared
+
+
+def partial(case):
+    # a head holding the child beside weights of its own, as MaskedLMHead: the two units held together
+    model = tied_token_table(case, lambda embed: Head(embed.token, name="head"))
     if SIZE > 1:
         assert model.engine.cut.shared == {"embeddings": (0, SIZE - 1), "head": (0, SIZE - 1)}, model.engine.cut.shared
 
