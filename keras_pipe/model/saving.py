@@ -381,6 +381,9 @@ class SavingMethods:
         ``pickle.loads`` (collective too, on any number of ranks) makes a
         pipeline of it with this one's options.
         """
+        if not self.engine.built and self._source is None and self._pipeline_input is None:
+            # its input is not known yet: no weights anywhere, the layers' configs are the model
+            return (type(self).from_config, (self.get_config(),))
         self.build()
         world = self.engine.world
         whole = to_whole(self)  # (collective: the whole model on rank 0, None elsewhere)
