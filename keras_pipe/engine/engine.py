@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import compat
 from keras_pipe.engine import probe
 from keras_pipe.engine.allreduce import ReplicaReducer, TiedReducer
 from keras_pipe.engine.batch import Batch
@@ -286,17 +287,22 @@ class Engine:
         graphs.release([layer for unit, layer in self.graph.units.items() if unit not in held])
 
     def _warn_about_batch_statistics(self, model_graph) -> None:
-        if self.num_microbatches > 1 and self.world.rank == 0:
+        if self.num_microbatches > 1:
             # (with replicas, statistics are also per replica, as in any data-parallel Keras)
             # (a frozen one, trainable=False, normalises with its moving statistics: nothing differs)
-            normalising = [
-                layer.name
-                for layer in model_graph.units.values()
-                if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-            ]
+            # (on every rank, nested ones too: keras_hub's CNN blocks hold theirs inside composite layers)
+            normalising = list(
+                dict.fromkeys(
+                    sub.name
+                    for layer in model_graph.units.values()
+                    for sub in compat.sublayers(layer)
+                    if isinstance(sub, keras.layers.BatchNormalization) and sub.trainable
+                )
+            )
             if normalising:
                 warnings.warn(
-                    f"BatchNormalization layers {normalising} compute their statistics per micro-batch "
+                    f"{len(normalising)} BatchNormalization layers ({', '.join(normalising[:4])}"
+                    f"{', ...' if len(normalising) > 4 else ''}) compute their statistics per micro-batch "
                     f"({self.num_microbatches} per batch), so training differs from Sequential; use "
                     "num_microbatches=1 or a normalisation without batch statistics (LayerNormalization).",
                     stacklevel=4,

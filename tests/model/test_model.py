@@ -17,6 +17,20 @@ def test_batch_normalization_with_microbatches_warns():
         PipelineModel([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()], num_microbatches=2)
 
 
+def test_batch_normalization_inside_a_composite_layer_warns_too():
+    # (keras_hub's CNN blocks hold theirs inside their own layers: ResNet, DenseNet, EfficientNet... differed silently)
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense, self.norm = keras.layers.Dense(3), keras.layers.BatchNormalization(name="inner_norm")
+
+        def call(self, x):
+            return self.norm(self.dense(x))
+
+    with pytest.warns(UserWarning, match=r"1 BatchNormalization layers \(inner_norm\)"):
+        PipelineModel([keras.Input((4,)), keras.layers.Dense(3), Block()], num_microbatches=2)
+
+
 def test_frozen_batch_normalization_with_microbatches_does_not_warn():
     # trainable=False normalises with the moving statistics (inference mode): nothing differs
     frozen = keras.layers.BatchNormalization()
