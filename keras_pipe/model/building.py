@@ -115,9 +115,10 @@ class ModelBuilding:
 
     @layers.setter
     def layers(self, _):
+        # (Keras' words first, as keras.Model's: code that matches Keras' error matches this one)
         raise AttributeError(
-            "`PipelineModel.layers` attribute is reserved and should not be used. Use `add()` and `pop()` to change "
-            "the layers in this model."
+            "`Model.layers` attribute is reserved and should not be used. Please use another name; a PipelineModel "
+            "of a list of layers changes them with `add()` and `pop()`."
         )
 
     @property

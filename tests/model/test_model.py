@@ -44,3 +44,12 @@ def test_set_weights_checks_shapes():
         PipelineConfigError, match=r"weight 0 \(.*dense.*/kernel\) has shape \(4, 5\), expected \(5, 4\)"
     ):
         model.set_weights([np.zeros((4, 5)), np.zeros(4)])
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_layers_cannot_be_assigned_with_keras_words(graph):
+    # keras.Model's message, which code written for Keras (and Keras' own tests) matches
+    inputs = keras.Input((3,))
+    model = PipelineModel(inputs, keras.layers.Dense(2)(inputs)) if graph else PipelineModel([keras.layers.Dense(2)])
+    with pytest.raises(AttributeError, match="`Model.layers` attribute is reserved"):
+        model.layers = [keras.layers.Dense(4)]
