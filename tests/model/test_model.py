@@ -53,3 +53,12 @@ def test_layers_cannot_be_assigned_with_keras_words(graph):
     model = PipelineModel(inputs, keras.layers.Dense(2)(inputs)) if graph else PipelineModel([keras.layers.Dense(2)])
     with pytest.raises(AttributeError, match="`Model.layers` attribute is reserved"):
         model.layers = [keras.layers.Dense(4)]
+
+
+def test_predict_step_checks_the_input_shapes_before_it_counts_the_batch():
+    # (an eager call on several ranks runs predict_step: a scalar is Keras' shape error, not an IndexError)
+    inputs = keras.Input((3,), name="foo")
+    model = PipelineModel(inputs, keras.layers.Dense(2)(inputs))
+    model.build()  # (an unbuilt model builds from the first batch's size first)
+    with pytest.raises(ValueError, match="name 'foo' and path ''"):
+        model.predict_step((np.zeros(()),))
