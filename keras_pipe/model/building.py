@@ -115,10 +115,14 @@ class ModelBuilding:
 
     @layers.setter
     def layers(self, _):
-        # (Keras' words first, as keras.Model's: code that matches Keras' error matches this one)
+        # (Keras' words: a graph's as keras.Model's, a chain's as Sequential's, which code written for Keras matches)
+        if self._from_graph:
+            raise AttributeError(
+                "`Model.layers` attribute is reserved and should not be used. Please use another name."
+            )
         raise AttributeError(
-            "`Model.layers` attribute is reserved and should not be used. Please use another name; a PipelineModel "
-            "of a list of layers changes them with `add()` and `pop()`."
+            "`PipelineModel.layers` attribute is reserved and should not be used. Use `add()` and `pop()` to change "
+            "the layers in this model."
         )
 
     @property

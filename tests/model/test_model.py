@@ -47,11 +47,12 @@ def test_set_weights_checks_shapes():
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_layers_cannot_be_assigned_with_keras_words(graph):
-    # keras.Model's message, which code written for Keras (and Keras' own tests) matches
+def test_layers_cannot_be_assigned_in_keras_words(graph):
+    # a graph's as keras.Model's, a chain's as Sequential's: what code written for Keras (and Keras' own tests) matches
     inputs = keras.Input((3,))
     model = PipelineModel(inputs, keras.layers.Dense(2)(inputs)) if graph else PipelineModel([keras.layers.Dense(2)])
-    with pytest.raises(AttributeError, match="`Model.layers` attribute is reserved"):
+    words = "`Model.layers` attribute is reserved" if graph else r"Use `add\(\)` and `pop\(\)`"
+    with pytest.raises(AttributeError, match=words):
         model.layers = [keras.layers.Dense(4)]
 
 
