@@ -272,7 +272,11 @@ def check_input_structure(functional, x, name: str | None = None) -> None:
 
 
 def check_input_shapes(functional, x) -> list:
-    """Raises, as ``Functional._adjust_input_rank`` does, for a batch whose inputs do not fit the model's (Keras 3.15).
+    """Raises, in Keras' words (``InputSpec``'s check, ``Functional._adjust_input_rank``), for inputs that do not fit.
+
+    Keras 3.15: the inputs' structure as :func:`check_input_structure` checks
+    it; the same shapes as the model's input spec (the fixed sizes equal), or
+    one more or one less trailing axis of size 1. Returns the inputs, flat.
 
     Why: only the first stage converts a batch (``standardize_inputs``), so
     only it would find out; every rank checks the shapes alone (no
@@ -280,7 +284,8 @@ def check_input_shapes(functional, x) -> list:
     """
     check_input_structure(functional, x)
     flat = flat_inputs(functional, x)
-    for given, ref in zip(flat, functional.inputs):
+    struct = functional._inputs_struct
+    for index, (given, ref) in enumerate(zip(flat, functional.inputs)):
         if given is None or not hasattr(given, "shape"):
             continue
         shape, ref_shape = tuple(given.shape), tuple(ref.shape)
@@ -288,13 +293,19 @@ def check_input_shapes(functional, x) -> list:
             fixed = [(a, b) for a, b in zip(shape[1:], ref_shape[1:]) if a is not None and b is not None]
             if all(a == b for a, b in fixed):
                 continue
-        elif len(shape) == len(ref_shape) + 1 and shape[-1] == 1:
+            # (Keras' words, as its InputSpec check says them)
+            raise ValueError(
+                f"Input {index} with name '{ref.name}' of layer '{functional.name}' is incompatible with the layer: "
+                f"expected shape={ref_shape}, found shape={shape}"
+            )
+        if len(shape) == len(ref_shape) + 1 and shape[-1] == 1:
             continue
-        elif len(shape) == len(ref_shape) - 1 and ref_shape[-1] == 1:
+        if len(shape) == len(ref_shape) - 1 and ref_shape[-1] == 1:
             continue
-        raise ValueError(
-            f"Invalid input shape for input with name '{ref.name}': expected shape {ref_shape}, but the input has "
-            f"incompatible shape {shape} (a shape mismatch between the data and the model's input)."
+        path = ".".join(str(p) for p in keras.tree.flatten_with_path(struct)[index][0])
+        raise ValueError(  # (as _adjust_input_rank says it, less the whole array)
+            f"Invalid input shape for input with name '{ref.name}' and path '{path}'. Expected shape {ref_shape}, "
+            f"but input has incompatible shape {shape}"
         )
     return flat
 

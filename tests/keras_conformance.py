@@ -1,11 +1,11 @@
-"""A pytest plugin: the installed Keras' own ``Sequential`` and trainer tests, run against ``PipelineModel``.
+"""A pytest plugin: the installed Keras' own model tests, run against ``PipelineModel``.
 
 Keras ships its tests in its wheel. With this plugin, pytest runs
-``keras/src/models/sequential_test.py`` and the tests of
-``keras/src/trainers/trainer_test.py`` whose model is a ``Sequential`` or one
-of that file's module-level models, with ``PipelineModel`` in their place:
-nothing of Keras' is copied, the names the test modules look up are
-substituted once they are imported.
+``keras/src/models/sequential_test.py``, ``functional_test.py``,
+``model_test.py`` and the tests of ``keras/src/trainers/trainer_test.py``
+whose model is a ``Sequential`` or one of that file's module-level models,
+with ``PipelineModel`` in their place: nothing of Keras' is copied, the names
+the test modules look up are substituted once they are imported.
 
 - ``Sequential`` becomes a ``PipelineModel`` with ``Sequential``'s
   signature; ``ExampleModel(units)`` (a ``Dense`` that is its own model) a
@@ -13,13 +13,21 @@ substituted once they are imported.
   ``ListOutputModel`` and ``TrainingTestingLayer`` a ``PipelineModel`` of a
   layer that computes what the model's ``call`` does (its own ``call``).
   On several ranks each gets trailing ``Identity`` layers, one stage each.
+- In ``functional_test.py`` and ``model_test.py``, ``Model(inputs, outputs)``
+  and ``Functional(inputs, outputs)`` (positional or keyword) make a
+  ``PipelineModel`` of that graph; ``Model()`` and the tests' own subclasses
+  of ``Model`` stay Keras models (a subclassed model is
+  ``PipelineModel.from_model``'s to trace, not this substitution's), and
+  ``isinstance`` answers as with Keras' classes. A graph with fewer nodes
+  than ranks leaves the last ranks' stages empty, which a pipeline allows.
 - Tests that need torch, jax, grain or scipy's sparse matrices, and trainer
   tests of other models, are left out (deselected).
 - On several ranks each test function runs with its first parameters only
   (one rank runs every parametrization: mostly eager, graph and XLA).
 - Every test starts from the same random seeds on every rank, so that the
   ranks of ``mpirun -n 2 python -m pytest -p keras_conformance ...`` make
-  the same data and the same calls.
+  the same data and the same calls; ``get_temp_dir()`` is rank 0's directory
+  on every rank, so that a file one rank saves is the file every rank loads.
 - The tests listed in ``keras_conformance_expected.txt`` are expected to
   fail, each for the reason given there: strict ``xfail`` on one rank (one
   that starts passing fails the run, so the list stays true), skipped on
@@ -35,13 +43,17 @@ import importlib.util
 import inspect
 import os
 import random
+import shutil
 import sys
+import tempfile
 import types
 from pathlib import Path
 
 import keras  # before the jax stub: Keras looks for jax when it is imported
 import numpy as np
 import pytest
+from keras.src.models.functional import Functional as KerasFunctional
+from keras.src.models.model import functional_init_arguments
 from mpi4py import MPI
 
 from keras_pipe import PipelineModel
@@ -51,6 +63,7 @@ RANK = MPI.COMM_WORLD.Get_rank()
 EXPECTED = Path(__file__).with_name("keras_conformance_expected.txt")
 SEQUENTIAL_TESTS = "keras.src.models.sequential_test"
 TRAINER_TESTS = "keras.src.trainers.trainer_test"
+FUNCTIONAL_TESTS = ("keras.src.models.functional_test", "keras.src.models.model_test")
 MODULE_MODELS = (
     "ExampleModel",
     "CustomTrainTestStepModel",
@@ -128,7 +141,80 @@ class _KerasNames(types.ModuleType):
         return getattr(self._wrapped, name)
 
 
+class _KerasInstances(type):
+    """``isinstance(x, Model)`` and ``isinstance(x, Functional)`` as the tests mean them.
+
+    Every Keras model is a ``Model``; a test's own subclass called with inputs
+    and outputs is a Keras ``Functional`` (Keras puts it among the class's
+    bases), as a pipeline of a graph stands for one.
+    """
+
+    def __instancecheck__(cls, instance):
+        if cls is Model:
+            return isinstance(instance, keras.Model)
+        if cls is Functional:
+            return type.__instancecheck__(cls, instance) or isinstance(instance, KerasFunctional)
+        return type.__instancecheck__(cls, instance)
+
+
+class Model(keras.Model, metaclass=_KerasInstances):
+    """``keras.Model`` as the Functional and model tests see it: ``Model(inputs, outputs)`` is a pipeline.
+
+    ``Model(inputs, outputs, ...)`` (positional or keyword, as Keras tells
+    them apart) makes a :class:`Functional`, the pipeline of that graph;
+    ``Model()`` and a test's own ``class X(Model)`` stay plain Keras models
+    (a subclassed model is ``PipelineModel.from_model``'s, not this
+    substitution's): such a class called with inputs and outputs becomes a
+    Keras ``Functional`` subclass, as it would have.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Model and functional_init_arguments(args, kwargs):
+            return Functional.__new__(Functional, *args, **kwargs)  # (then Python calls Functional.__init__)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        if functional_init_arguments(args, kwargs) and not isinstance(self, PipelineModel):
+            # Keras' Model.__init__ puts its Functional in place of keras.Model among the class's bases: this
+            # class must not be there, or every later Model(inputs, outputs) would be a Keras Functional too.
+            _plain_keras(type(self))
+            keras.Model.__init__(self, *args, **kwargs)
+            return
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        if cls is Model and "model" in config:  # (a pipeline's config: Keras' Model.from_config gives a Functional)
+            return Functional.from_config(config, custom_objects)
+        return super().from_config(config, custom_objects)
+
+
+def _plain_keras(cls):
+    """``cls`` with ``keras.Model`` in place of the substitute :class:`Model` among its bases (and theirs)."""
+    if cls is Model:
+        return keras.Model
+    if cls is object or not issubclass(cls, Model):
+        return cls
+    cls.__bases__ = tuple(_plain_keras(base) for base in cls.__bases__)
+    return cls
+
+
+@keras.saving.register_keras_serializable(package="keras_conformance")
+class Functional(PipelineModel, Model):
+    """``PipelineModel`` with ``keras.src.models.Functional``'s signature (an instance of the substitute ``Model``)."""
+
+    def __init__(self, inputs=None, outputs=None, name=None, **kwargs):
+        if inputs is None and outputs is None:  # (PipelineModel.from_config, from_model: the options alone)
+            super().__init__(name=name, **kwargs)
+        else:
+            super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
+
+
 def _substitute() -> None:
+    for module_name in FUNCTIONAL_TESTS:
+        module = importlib.import_module(module_name)
+        module.Functional = Functional
+        module.Model = Model
     sequential_tests = importlib.import_module(SEQUENTIAL_TESTS)
     sequential_tests.Sequential = Sequential
     trainer_tests = importlib.import_module(TRAINER_TESTS)
@@ -156,6 +242,31 @@ def _substitute() -> None:
     for name in ("StructModel", "ListInputModel", "ListOutputModel", "TrainingTestingLayer"):
         setattr(trainer_tests, name, of(name))
     trainer_tests._keras_conformance_originals = originals
+
+
+def _shared_temp_dir() -> None:
+    """``TestCase.get_temp_dir()`` is rank 0's directory on every rank (the ranks share this machine's disk).
+
+    A test saves a model and loads it back: the pipeline writes the file on
+    rank 0 and every rank reads it, so every rank must name the same path.
+    The directory is removed once every rank's test has ended.
+    """
+    from keras.src.testing import test_case
+
+    def get_temp_dir(self):
+        comm = MPI.COMM_WORLD
+        directory = comm.bcast(tempfile.mkdtemp() if RANK == 0 else None, root=0)
+
+        def remove():
+            comm.Barrier()
+            if RANK == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        self.addCleanup(remove)
+        return directory
+
+    if SIZE > 1:
+        test_case.TestCase.get_temp_dir = get_temp_dir
 
 
 def expected_failures(size: int) -> dict[str, str]:
@@ -218,6 +329,7 @@ def test_id(item) -> str:
 def pytest_configure(config):
     _stub_jax()
     _substitute()
+    _shared_temp_dir()
     config.addinivalue_line("markers", "requires_trainable_backend: Keras' own marker")
     xmlpath = getattr(config.option, "xmlpath", None)
     if xmlpath and SIZE > 1:

@@ -115,6 +115,11 @@ class ModelBuilding:
 
     @layers.setter
     def layers(self, _):
+        # (Keras' words: a graph's as keras.Model's, a chain's as Sequential's, which code written for Keras matches)
+        if self._from_graph:
+            raise AttributeError(
+                "`Model.layers` attribute is reserved and should not be used. Please use another name."
+            )
         raise AttributeError(
             "`PipelineModel.layers` attribute is reserved and should not be used. Use `add()` and `pop()` to change "
             "the layers in this model."

@@ -292,8 +292,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
     def predict_step(self, data):
         """One pipelined forward pass; every rank returns the whole batch's predictions."""
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        flat_x = self._inputs(x)  # (first: it checks the inputs' shapes, a scalar's among them, in Keras' words)
         batch_size = batch_size_of(data)
-        flat_x = self._inputs(x)
         _, _, flat = self.engine.run("predict", flat_x, batch_size)
         if flat is not None:
             flat = [p.tensor if isinstance(p, Masked) else p for p in flat]

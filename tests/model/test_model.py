@@ -58,3 +58,22 @@ def test_set_weights_checks_shapes():
         PipelineConfigError, match=r"weight 0 \(.*dense.*/kernel\) has shape \(4, 5\), expected \(5, 4\)"
     ):
         model.set_weights([np.zeros((4, 5)), np.zeros(4)])
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_layers_cannot_be_assigned_in_keras_words(graph):
+    # a graph's as keras.Model's, a chain's as Sequential's: what code written for Keras (and Keras' own tests) matches
+    inputs = keras.Input((3,))
+    model = PipelineModel(inputs, keras.layers.Dense(2)(inputs)) if graph else PipelineModel([keras.layers.Dense(2)])
+    words = "`Model.layers` attribute is reserved" if graph else r"Use `add\(\)` and `pop\(\)`"
+    with pytest.raises(AttributeError, match=words):
+        model.layers = [keras.layers.Dense(4)]
+
+
+def test_predict_step_checks_the_input_shapes_before_it_counts_the_batch():
+    # (an eager call on several ranks runs predict_step: a scalar is Keras' shape error, not an IndexError)
+    inputs = keras.Input((3,), name="foo")
+    model = PipelineModel(inputs, keras.layers.Dense(2)(inputs))
+    model.build()  # (an unbuilt model builds from the first batch's size first)
+    with pytest.raises(ValueError, match="name 'foo' and path ''"):
+        model.predict_step((np.zeros(()),))
