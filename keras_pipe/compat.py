@@ -245,30 +245,54 @@ def flat_inputs(functional, inputs) -> list:
 
 
 def check_input_structure(functional, x, name: str | None = None) -> None:
-    """Raises as a Functional model's ``__call__`` does for inputs of another structure (Keras 3.15).
+    """Raises as a Functional model's call does for inputs of another structure (Keras 3.15).
 
     A dict without one of the inputs' names, more or fewer arrays than
     inputs, something that is not an array, ``None`` for an input that is
-    not ``optional=True``: ``Functional._assert_input_compatibility`` and
-    ``keras.src.layers.input_spec.assert_input_compatibility``, on every
-    rank (see :func:`check_input_shapes`).
+    not ``optional=True`` (``Functional._assert_input_compatibility`` and
+    ``keras.src.layers.input_spec.assert_input_compatibility``), and the
+    structure's own error (``Functional._standardize_inputs``,
+    ``_maybe_warn_inputs_struct_mismatch``): on every rank, where only the
+    first stage standardizes the inputs (see :func:`check_input_shapes`;
+    the structure's warning is the first stage's alone).
     """
     from keras.src.layers.input_spec import assert_input_compatibility
 
     name = name or functional.name
-    struct = functional._inputs_struct
-    single = not isinstance(x, (dict, list, tuple)) and not isinstance(struct, (dict, list, tuple))
-    flat = [x] if single else None
-    if flat is None and not isinstance(x, dict):
-        flat = keras.tree.flatten(x) if isinstance(x, (list, tuple)) else [x]
-    if flat is not None:
-        for given, tensor in zip(flat, functional.inputs):
+    if isinstance(x, (dict, list, tuple)) or hasattr(x, "shape"):
+        for given, tensor in zip(flat_inputs(functional, x), functional.inputs):
             layer = tensor._keras_history.operation
             if given is None and not getattr(layer, "optional", False):
                 raise ValueError(
                     f"The input '{tensor.name}' is not optional, but None was passed. Please provide a valid tensor."
                 )
+    _check_structure_as_keras_does(functional, x)
     assert_input_compatibility(functional.input_spec, x, name)
+
+
+def _check_structure_as_keras_does(functional, inputs) -> None:
+    """The part of ``Functional._standardize_inputs`` before conversion: its structure error, on every rank."""
+    struct, raise_exception = functional._inputs_struct, False
+    array = hasattr(inputs, "shape") and not isinstance(inputs, (dict, list, tuple))  # (NumPy too: Keras sees tensors)
+    if isinstance(struct, list) and len(struct) == 1 and array:
+        inputs = [inputs]
+    elif isinstance(inputs, dict) and not isinstance(struct, dict):
+        if hasattr(struct, "__len__") and all(isinstance(i, keras.KerasTensor) for i in struct):
+            if {i.name for i in struct} <= set(inputs):
+                inputs = [inputs[i.name] for i in struct]
+            else:
+                raise_exception = True
+        elif isinstance(struct, keras.KerasTensor):
+            if struct.name in inputs:
+                inputs = [inputs[struct.name]]
+            else:
+                raise_exception = True
+        else:
+            raise_exception = True
+    if isinstance(struct, dict) and not isinstance(inputs, dict) and list(struct) != sorted(struct):
+        raise_exception = True
+    if raise_exception:  # (the warning alone is left to the first stage's standardization: Keras' count of them)
+        functional._maybe_warn_inputs_struct_mismatch(inputs, raise_exception=True)
 
 
 def check_input_shapes(functional, x) -> list:

@@ -317,7 +317,8 @@ class Engine:
             return
         sample = None
         if self.is_first:
-            first = microbatch_bounds(int(x[0].shape[0]), self.num_microbatches)[0][1]
+            present = next(t for t in x if t is not None)  # (None: an optional input not given)
+            first = microbatch_bounds(int(present.shape[0]), self.num_microbatches)[0][1]
             sample = [rows(t, 0, first) for t in x]
         self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
         parts = [(chunk.compute.stage, chunk.compute.calls, chunk.links) for chunk in self.chunks]

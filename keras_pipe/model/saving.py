@@ -351,7 +351,11 @@ class SavingMethods:
         import inspect
 
         config = dict(config)
-        accepted = inspect.signature(cls.__init__).parameters
+        parameters = inspect.signature(cls.__init__).parameters
+        accepted = set(parameters)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            # (a subclass that passes **kwargs on to PipelineModel takes its options and keras.Model's too)
+            accepted |= set(_DEFAULTS) | {"name", "trainable", "dtype"}
         if "input_layers" in config and "output_layers" in config:
             # a Functional model's config (keras.Model(inputs, outputs).get_config()): its graph, not a chain
             kwargs = {k: v for k, v in config.items() if k in accepted and k not in ("layers", "inputs", "outputs")}
