@@ -170,6 +170,21 @@ class Engine:
         plain = model_graph.plain
         if not plain.nodes:
             raise PipelineConfigError("the PipelineModel has no layers; pass a list of layers.")
+        nested = sorted(
+            {
+                sub.name
+                for call in model_graph.calls
+                if call.layer is not None
+                for sub in compat.sublayers(call.layer)
+                if getattr(sub, "_keras_pipe_pipeline", False)
+            }
+        )
+        if nested and self.num_stages > 1:  # (the same graph on every rank: raised on every rank)
+            raise PipelineConfigError(
+                f"the PipelineModels {nested} are layers of this one: a pipeline over every rank cannot run inside "
+                "one stage of another. Nest their keras.Model (pipeline.to_keras(), or the graph they were made of) "
+                "and pipeline the whole."
+            )
         if len(plain.nodes) < self.num_stages and self.world.rank == 0:
             warnings.warn(
                 f"{self.num_stages} stages but the model has only {len(plain.nodes)} layers: the last "

@@ -124,6 +124,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             wraps the optimizer in a ``LossScaleOptimizer``).
     """
 
+    _keras_pipe_pipeline = True  # (what the engine looks for among a model's layers: a pipeline nested in one)
+
     def __init__(
         self,
         layers: Sequence[Any] | None = None,

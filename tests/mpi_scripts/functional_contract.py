@@ -144,6 +144,13 @@ raises(ValueError, 'Missing data for input "b"', lambda: pair.predict({"a": x}, 
 model = same_weights_as(reference)
 steps = np.stack([x[:8], x[8:]], axis=1)  # (8, 2, 3): two time steps
 assert_close(L.TimeDistributed(model)(steps), L.TimeDistributed(reference)(steps), "TimeDistributed")
+if SIZE > 1:  # a pipeline inside another pipeline's layer: refused on every rank, saying what to do
+    sequence = keras.Input((2, 3))
+    raises(
+        PipelineConfigError,
+        "cannot run inside one stage of another",
+        lambda: PipelineModel(sequence, L.TimeDistributed(model)(sequence)),
+    )
 ok("calls")
 
 # 8. pickle: the whole model, trained and compiled, on every rank; trains on as the original does.
