@@ -315,9 +315,11 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         given = compat.check_input_shapes(self._source, x)
         # (None for an optional=True input: the first stage's layers get None, as in Keras' Functional model;
         # one a later stage reads would have to cross, which None cannot)
-        graph = self.engine.cut.graph
-        crossing = {c.tensor for c in self.engine.cut.crossings}
-        absent = [t.name for t, k, v in zip(self._source.inputs, graph.inputs, given) if v is None and k in crossing]
+        absent = []
+        if any(value is None for value in given):  # (rare: the crossings are not looked through every step)
+            crossing = {c.tensor for c in self.engine.cut.crossings}
+            inputs = zip(self._source.inputs, self.engine.cut.graph.inputs, given)
+            absent = [t.name for t, k, v in inputs if v is None and k in crossing]
         if absent:
             raise PipelineConfigError(
                 f"the optional inputs {absent} were given None, and a later stage reads them: keras_pipe sends a "
