@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 # -- layers -------------------------------------------------------------------
@@ -24,6 +25,27 @@ def sublayers(layer) -> list:
     live on the sublayer that added them.
     """
     return list(layer._flatten_layers())
+
+
+def trained_weights(layer) -> list:
+    """The weights of ``layer`` a trainable Keras model trains: each one whose own ``trainable`` flag is set.
+
+    The one place keras_pipe decides what trains (every stage, backward,
+    update, tied weight and replica reads it). Keras decides per variable,
+    at any depth: ``Model.trainable_weights`` is ``[v for v in self.weights
+    if v.trainable]`` (``Layer.trainable_weights``, Keras 3.0-3.15), and a
+    model's ``weights`` gather every sub-layer's whatever the sub-layer's
+    flag. ``layer.trainable_weights`` is not that: it is empty when
+    ``layer`` itself is frozen, even where a child was unfrozen after it
+    (``block.trainable = False; block.a.trainable = True``) or where LoRA
+    added trainable weights under a frozen parent (keras_hub's
+    ``Backbone.enable_lora`` freezes every layer, then unfreezes the targets
+    and adds their ``lora_kernel_a``/``lora_kernel_b``). Setting a layer's
+    ``trainable`` sets its variables' flags (``Layer.trainable``'s setter),
+    so the flags are the whole truth. The model's own ``trainable=False`` is
+    applied by the caller (``StageCompute``'s ``frozen``), as Keras' model does.
+    """
+    return [v for v in layer.weights if v.trainable]
 
 
 def own_losses(layer) -> list:
@@ -455,11 +477,116 @@ def unallocated_scope():
 
     Variable.__init__ = create
     try:
-        with keras.StatelessScope(initialize_variables=False):
+        with keras.StatelessScope(initialize_variables=False), _deferring_weight_loads():
             yield
     finally:
         Variable.__init__ = original
         global_state.set_global_attribute("uninitialized_variables", before)
+
+
+DEFERRED_LOADS = "_keras_pipe_deferred_loads"
+
+
+@contextlib.contextmanager
+def _deferring_weight_loads():
+    """Weights files loaded into a model without memory are recorded on it, not read (``saving_lib.load_weights_only``,
+    which ``Model.load_weights`` and ``keras.saving.load_weights`` call for ``.weights.h5``, ``.weights.json`` and
+    ``.keras`` files, Keras 3.0-3.15).
+
+    Why: keras_hub's ``from_preset`` builds the model, then loads the
+    preset's weights file into it; inside a ``StatelessScope`` each assign
+    would go to the scope and be dropped, and the pipeline would train the
+    initializers' values. Recorded (``DEFERRED_LOADS``: ``(filepath,
+    skip_mismatch, objects_to_skip)``), each load is run once the pipeline
+    has given each rank its own stage's memory, reading only what that rank
+    holds (:func:`held_only_loading`).
+    """
+    from keras.src.saving import saving_lib
+
+    original = saving_lib.load_weights_only
+
+    def defer(model, filepath, skip_mismatch=False, objects_to_skip=None):
+        if not any(unallocated(v) for v in model.weights):
+            return original(model, filepath, skip_mismatch=skip_mismatch, objects_to_skip=objects_to_skip)
+        loads = model.__dict__.get(DEFERRED_LOADS, [])
+        object.__setattr__(model, DEFERRED_LOADS, [*loads, (str(filepath), skip_mismatch, objects_to_skip)])
+        return None
+
+    saving_lib.load_weights_only = defer
+    try:
+        yield
+    finally:
+        saving_lib.load_weights_only = original
+
+
+class _Stored:
+    """A value of a weights file, read only when a variable this rank holds takes it (``numpy.asarray`` reads it)."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __array__(self, dtype=None, copy=None):
+        value = np.asarray(self.read())
+        return value if dtype is None else value.astype(dtype)
+
+
+@contextlib.contextmanager
+def held_only_loading():
+    """While Keras loads a weights file: only the variables this rank holds are read and assigned
+    (``saving_lib.H5IOStore.__getitem__``, its sharded subclass's, and ``KerasVariable.assign``, Keras 3.12-3.15).
+
+    Why: every rank walks the whole model as Keras does (the file's layout
+    is the model's), but a variable of another stage has no memory here and
+    its bytes are left in the file, so that a rank never holds more than its
+    own stage and the one value being read.
+    """
+    from keras.src.backend.common.variables import Variable
+    from keras.src.saving import saving_lib
+
+    stores = [saving_lib.H5IOStore, saving_lib.ShardedH5IOStore]
+    reads = {store: store.__dict__["__getitem__"] for store in stores if "__getitem__" in store.__dict__}
+    assign = Variable.assign
+
+    def lazy_of(read):
+        def lazy(store, key):
+            group = store._h5_entry_group  # (the store is one object moved from entry to entry)
+
+            def read_now():
+                current = store._h5_entry_group
+                store._h5_entry_group = group
+                try:
+                    return read(store, key)
+                finally:
+                    store._h5_entry_group = current
+
+            return _Stored(read_now)
+
+        return lazy
+
+    def held_assign(variable, value):
+        if unallocated(variable):
+            return variable  # (another stage's: its value stays in the file)
+        if isinstance(value, _Stored):
+            value = value.read()
+        return assign(variable, value)
+
+    for store, read in reads.items():
+        store.__getitem__ = lazy_of(read)
+    Variable.assign = held_assign
+    try:
+        yield
+    finally:
+        for store, read in reads.items():
+            store.__getitem__ = read
+        Variable.assign = assign
+
+
+def load_weights_only(model, filepath: str, skip_mismatch: bool, objects_to_skip) -> None:
+    """``keras.saving.load_weights`` of a ``.weights.h5``/``.weights.json``/``.keras`` file (``saving_lib``, Keras
+    3.0-3.15), without the deferral of :func:`unallocated_scope`."""
+    from keras.src.saving import saving_lib
+
+    saving_lib.load_weights_only(model, filepath, skip_mismatch=skip_mismatch, objects_to_skip=objects_to_skip)
 
 
 @contextlib.contextmanager

@@ -154,12 +154,27 @@ class TiedReducer:
     weight once, on the first stage holding it (``counted``).
     """
 
-    def __init__(self, groups: list, counted: list[bool]):
-        self.groups = groups  # [(communicator, positions of the variables it sums)]
-        self.counted = counted
+    def __init__(self, groups: list):
+        # [(communicator, the shared weights it sums (every stage of it lists them in the same order),
+        #   whether this is the first stage holding them)]: which of them train, and so their positions
+        # among the stage's trainable variables, is read at each step (compile() may have changed it)
+        self.groups = groups
+
+    def _positions(self, weights: list, variables: list) -> list:
+        position = {id(v): i for i, v in enumerate(variables)}
+        return [position[id(w)] for w in weights if id(w) in position]
+
+    def counted(self, variables: list) -> list[bool]:
+        """Per trainable variable: whether this stage counts it in the whole model's gradient norm."""
+        counted = [True] * len(variables)
+        for _, weights, first in self.groups:
+            if not first:
+                for p in self._positions(weights, variables):
+                    counted[p] = False
+        return counted
 
     @classmethod
-    def create(cls, pipeline, cut, stage: int, model_graph, variables) -> TiedReducer | None:
+    def create(cls, pipeline, cut, stage: int, model_graph) -> TiedReducer | None:
         """One communicator per set of stages sharing weights (collective over ``pipeline``).
 
         ``None`` where this stage shares no weight.
@@ -171,8 +186,6 @@ class TiedReducer:
         by_stages: dict[tuple, list[str]] = {}
         for unit, stages in sorted(cut.shared.items()):
             by_stages.setdefault(tuple(stages), []).append(unit)
-        position = {id(v): i for i, v in enumerate(variables)}
-        counted = [True] * len(variables)
         groups = []
         for stages, units in sorted(by_stages.items()):
             member = stage in stages
@@ -184,17 +197,12 @@ class TiedReducer:
             if not member:
                 continue
             # (each variable once: the units held together share some)
-            positions = list(
-                dict.fromkeys(position[id(v)] for unit in units for v in model_graph.units[unit].trainable_weights)
-            )
-            if stage != min(stages):
-                for p in positions:
-                    counted[p] = False
+            weights = list({id(v): v for unit in units for v in model_graph.units[unit].weights}.values())
             if comm is not None:
-                groups.append((comm, positions))
+                groups.append((comm, weights, stage == min(stages)))
         if not groups:
             return None
-        return cls(groups, counted)
+        return cls(groups)
 
     def sum(self, grads: list, like: list) -> list:
         """``grads`` with every shared weight's gradient summed over the stages holding it, in Keras' form.
@@ -205,7 +213,10 @@ class TiedReducer:
         no stage's use reached the loss. ``like``: the variables.
         """
         results = list(grads)
-        for comm, positions in self.groups:
+        for comm, weights, _ in self.groups:
+            positions = self._positions(weights, like)
+            if not positions:
+                continue  # (none of them trains: on every stage holding them, as the flags are the same)
             what = "the other stages holding a shared weight (gradient allreduce)"
             sparse_somewhere, dense_somewhere, _, _ = forms_everywhere(comm, [results[p] for p in positions], what)
             dense = [p for k, p in enumerate(positions) if dense_somewhere[k]]

@@ -144,6 +144,7 @@ class Engine:
         self.masks: dict | None = None  # each tensor's Keras mask, measured on real tensors (first batch)
         self._tracer = None
         self.jit, self.eager, self.frozen = "auto", False, False
+        self._warned_norms: set = set()  # the trainable BatchNormalization layers when last warned about
 
     def configure(self, jit, eager: bool, frozen: bool = False) -> None:
         """How the stage compiles its programs (``compile(jit_compile=True | False | "auto", run_eagerly=...)``).
@@ -153,6 +154,8 @@ class Engine:
         self.jit, self.eager, self.frozen = jit, eager, frozen
         for chunk in self.chunks:
             chunk.compute.configure(jit, eager, frozen)
+        if self.graph is not None:  # (a layer unfrozen since, as in the second phase of Keras' fine-tuning guide)
+            self._warn_about_batch_statistics(self.graph)
 
     @property
     def built(self) -> bool:
@@ -236,7 +239,7 @@ class Engine:
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
         tied = None
         if self.num_chunks == 1:
-            tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph, self.compute.trainable_variables)
+            tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph)
         pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
         self.executor = Executor(
             self.compute,
@@ -306,15 +309,19 @@ class Engine:
             # (with replicas, statistics are also per replica, as in any data-parallel Keras)
             # (a frozen one, trainable=False, normalises with its moving statistics: nothing differs)
             # (on every rank, nested ones too: keras_hub's CNN blocks hold theirs inside composite layers)
+            # (nor one a subclassed model's call() runs with training=False of its own: graph.NodeCall.training)
             normalising = list(
                 dict.fromkeys(
                     sub.name
-                    for layer in model_graph.units.values()
-                    for sub in compat.sublayers(layer)
+                    for call in model_graph.calls
+                    if call.layer is not None and call.training is not False
+                    for sub in compat.sublayers(call.layer)
                     if isinstance(sub, keras.layers.BatchNormalization) and sub.trainable
                 )
             )
-            if normalising:
+            new = set(normalising) - self._warned_norms
+            self._warned_norms = set(normalising)
+            if new:
                 warnings.warn(
                     f"{len(normalising)} BatchNormalization layers ({', '.join(normalising[:4])}"
                     f"{', ...' if len(normalising) > 4 else ''}) compute their statistics per micro-batch "

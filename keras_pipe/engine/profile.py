@@ -19,6 +19,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
@@ -38,7 +39,7 @@ def node_times(model_graph, nodes, rows: int, repeats: int = 5) -> list[float]:
         call = model_graph.calls[n]
         values = {t: _sample(plain.tensors[t], rows) for t in call.inputs}
         layer = call.layer
-        variables = list(layer.trainable_weights) if layer is not None else []
+        variables = compat.trained_weights(layer) if layer is not None else []
 
         @tf.function(autograph=False)
         def step(values, call=call, variables=variables):

@@ -95,7 +95,7 @@ class StepEnd:
         if needs_whole_model(batch):
             summed = summed if summed is not None else compute.gradients.result()
             self.status.doing = f"train step {self.step}, {self.where}: the whole model's gradient norm"
-            counted = self.tied.counted if self.tied is not None else None
+            counted = self.tied.counted(compute.trainable_variables) if self.tied is not None else None
             squares = self.pipeline_sum(np.array([compute.squared_norm(summed, counted)], np.float64))[0]
             scale = whole_model_scale(batch.optimizer, squares, self._loss_scale)
         self.status.doing = f"train step {self.step}, {self.where}: optimizer update"

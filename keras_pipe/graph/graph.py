@@ -42,10 +42,13 @@ class NodeCall:
     tensors (with their Keras masks attached).
     """
 
-    def __init__(self, node, index_of: dict, name: str):
+    def __init__(self, node, index_of: dict, name: str, training=None):
         self.node = node
         self.operation = node.operation
         self.name = name
+        # a training the call is given whatever the model's (it, or a call it is nested in, passes one
+        # of its own in a subclassed model's call(): see trace.Traced.fixed); None: the model's
+        self.training = training
         self._keys = [(id(kt), index_of[id(kt)]) for kt in node.input_tensors]
         self.inputs = tuple(dict.fromkeys(index for _, index in self._keys))
         self.outputs = tuple(index_of[id(kt)] for kt in node.outputs)
@@ -58,7 +61,8 @@ class NodeCall:
     def __call__(self, values: dict, training=None) -> list:
         tensors = {key: values[index] for key, index in self._keys}
         args, kwargs = self.node.arguments.fill_in(tensors)
-        outputs = compat.call_operation(self.operation, args, kwargs, training)
+        given = training if self.training is None else self.training
+        outputs = compat.call_operation(self.operation, args, kwargs, given)
         return keras.tree.flatten(outputs)
 
     def __repr__(self) -> str:
@@ -93,7 +97,7 @@ class ModelGraph:
 
     def weight_shapes(self, unit: str, trainable: bool = False) -> list:
         layer = self.units[unit]
-        weights = layer.trainable_weights if trainable else layer.weights
+        weights = compat.trained_weights(layer) if trainable else layer.weights
         return [(tuple(w.shape), str(w.dtype)) for w in weights]
 
 
@@ -275,18 +279,29 @@ class _Walk:
         groups = {id(g): g for g in group_of.values() if len(g) > 1}
         return tuple(tuple(sorted(g)) for g in groups.values())
 
-    def run(self, functional, inputs: list) -> list:
+    def run(self, functional, inputs: list, training=None, fixed: dict | None = None) -> list:
+        """Numbers ``functional``'s nodes; ``training``: the one they all get (a call they are nested in fixed it).
+
+        In a Functional graph the model's flag wins over a node's own
+        (``base(x, training=False)`` trains under ``fit``: Keras'
+        ``functional.operation_fn`` gives every node the model's ``training``);
+        in a traced ``call()`` a call's own argument wins (``fixed``), as in
+        Keras' ``__call__``, and it holds for everything nested in that call.
+        """
+        traced = traces.traced_of(functional)
+        fixed = fixed if fixed is not None else (traced.fixed if traced is not None else {})
         for kt, index in zip(functional.inputs, inputs):
             self.index_of[id(kt)] = index
         for node in compat.execution_order(functional):
+            given = training if training is not None else fixed.get(id(node))
             inner = functional_of(node.operation) if isinstance(node.operation, keras.Model) else None
             if inner is not None:
-                self._expand(node, inner)
-            elif not self._expand_traced(node):
-                self._add(node)
+                self._expand(node, inner, given)
+            elif not self._expand_traced(node, given):
+                self._add(node, given)
         return [self.index_of[id(kt)] for kt in functional.outputs]
 
-    def _expand(self, node, inner) -> None:
+    def _expand(self, node, inner, training=None) -> None:
         """A nested model's nodes in place of its call: its inputs are the call's tensors."""
         args, kwargs = list(node.arguments.args), dict(node.arguments.kwargs)
         if not args and "inputs" in kwargs:  # model(inputs=...), as keras_hub's Gemma 3 task calls its backbone
@@ -306,11 +321,11 @@ class _Walk:
                 f"the nested model {node.operation.name!r} takes {len(inner.inputs)} inputs but is called with "
                 f"{len(given)}."
             )
-        outputs = self.run(inner, [self.index_of[id(kt)] for kt in given])
+        outputs = self.run(inner, [self.index_of[id(kt)] for kt in given], training)
         for kt, index in zip(node.outputs, outputs):
             self.index_of[id(kt)] = index
 
-    def _expand_traced(self, node) -> bool:
+    def _expand_traced(self, node, training=None) -> bool:
         """A subclassed model's call, or a large composite layer's, traced and expanded in place; ``False``: kept whole.
 
         Every subclassed model nested in the graph is expanded, as nested
@@ -353,12 +368,12 @@ class _Walk:
         problem = traces.check_on_batch(traced)
         if problem is not None:
             return keep(f"its traced graph differs from its call() on a real batch ({problem})")
-        results = self.run(traced.functional, [self.index_of[id(kt)] for kt in traced.given])
+        results = self.run(traced.functional, [self.index_of[id(kt)] for kt in traced.given], training, traced.fixed)
         for kt, index in zip(node.outputs, results):
             self.index_of[id(kt)] = index
         return True
 
-    def _add(self, node) -> None:
+    def _add(self, node, training=None) -> None:
         operation = node.operation
         count = self.calls_of.get(id(operation), 0)
         self.calls_of[id(operation)] = count + 1
@@ -369,7 +384,7 @@ class _Walk:
         for position, kt in enumerate(node.outputs):
             suffix = f"[{position}]" if len(node.outputs) > 1 else ""
             self.new_tensor(kt, f"{name}{suffix}")
-        call = NodeCall(node, self.index_of, name)
+        call = NodeCall(node, self.index_of, name, training)
         unit, params = None, 0
         layer = call.layer
         if layer is not None and layer.variables:

@@ -177,7 +177,14 @@ def _fresh_input(kt):
 
 
 class Traced:
-    """A layer's call traced: ``functional`` (a Functional model) whose inputs stand for ``given``, in order."""
+    """A layer's call traced: ``functional`` (a Functional model) whose inputs stand for ``given``, in order.
+
+    ``fixed``: ``{id(node): training}`` of the calls in ``call()`` that pass
+    a ``training`` of their own whatever the model is given
+    (``self.base(x, training=False)``, the fine-tuning guide's inference-mode
+    backbone): Keras' ``__call__`` keeps an argument its caller passes, so
+    the graph runs those nodes (and every node nested in them) with it.
+    """
 
     def __init__(self, layer, functional, given: list, args, kwargs):
         self.layer = layer
@@ -185,6 +192,7 @@ class Traced:
         self.given = given
         self.args = args
         self.kwargs = kwargs
+        self.fixed: dict = {}
 
 
 def _trace_once(layer, args, kwargs, training, top: bool):
@@ -271,11 +279,14 @@ def trace_call(layer, args, kwargs, top: bool = False) -> Traced:
                 "call() runs other layers or ops with training=True than with training=False (Python code on "
                 "`training`), which one graph cannot hold"
             )
-        for (_, name, off), (_, _, on) in zip(inference, training):
-            if off not in (None, False) or on not in (None, True):
+        nodes = compat.execution_order(traced.functional)
+        for node, (_, name, off), (_, _, on) in zip(nodes, inference, training):
+            if off == on and off is not None:
+                traced.fixed[id(node)] = bool(off)  # (a training of its own, whatever the model's)
+            elif off not in (None, False) or on not in (None, True):
                 raise Untraceable(
-                    f"call() calls {name!r} with a fixed training={off if off not in (None, False) else on!r}; "
-                    "the graph gives every layer the model's own training flag"
+                    f"call() calls {name!r} with training={off!r} when given training=False and training={on!r} "
+                    "when given True; the graph runs a layer with the model's flag or with one of its own"
                 )
     else:
         traced = _trace_once(layer, args, kwargs, None, top)
@@ -319,9 +330,14 @@ def view_of(model, inputs=None):
     return view
 
 
+def traced_of(functional) -> Traced | None:
+    """The :class:`Traced` a view was made from by :func:`view_of`, or ``None``."""
+    return getattr(functional, "_keras_pipe_trace", None)
+
+
 def source_of(functional):
     """The subclassed model a view was traced from (its weights' order is the model's), or ``None``."""
-    traced = getattr(functional, "_keras_pipe_trace", None)
+    traced = traced_of(functional)
     return None if traced is None else traced.layer
 
 

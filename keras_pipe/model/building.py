@@ -254,6 +254,7 @@ class ModelBuilding:
         else:
             _weights.copy_between_holders(self.engine)
             _weights.copy_from_first_replica(self.engine)
+            _weights.load_deferred(self.engine, model)  # (a preset loaded inside unallocated(): each rank its own)
         engine.release_others()
 
     # -- calling it --------------------------------------------------------

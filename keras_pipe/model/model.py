@@ -448,6 +448,48 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self.build()
         return int(sum(np.prod(v.shape, dtype=np.int64) for v, _, _ in _weights.ordered(self.engine)))
 
+    # -- keras_hub's task methods ------------------------------------------------
+
+    @collective
+    def save_to_preset(self, preset_dir) -> None:
+        """As a keras_hub task's (or backbone's) ``save_to_preset``: rank 0 writes the preset of the whole model.
+
+        The preset holds the trained weights; plain keras_hub's ``from_preset``
+        opens it in one process, or inside :func:`keras_pipe.unallocated` on
+        any number of ranks (each reading its own stage's weights).
+        """
+        whole = self.to_keras()
+        problem = None
+        if whole is not None:
+            if not hasattr(whole, "save_to_preset"):
+                problem = (
+                    f"save_to_preset() is a keras_hub task's or backbone's; this pipeline's model is a "
+                    f"{type(whole).__name__}: use save()"
+                )
+            else:
+                try:
+                    whole.save_to_preset(preset_dir)
+                except Exception as error:  # noqa: BLE001 - every rank raises it
+                    problem = f"rank 0 could not write the preset {preset_dir!r}: {type(error).__name__}: {error}"
+        problem = self.engine.world.bcast_json(problem, root=0) if self.engine.world.size > 1 else problem
+        if problem is not None:
+            raise PipelineConfigError(problem)
+
+    def generate(self, *args, **kwargs):
+        """Refused on every rank: generation is not pipelined; the whole model generates in one process.
+
+        Decoding runs one token at a time through every stage, so a
+        pipeline has no micro-batches to overlap and would only add the
+        transfers; each stage would also have to keep its own key/value
+        cache in step with the others. Gather the trained model instead.
+        """
+        raise PipelineConfigError(
+            "generate() is not pipelined (decoding runs one token at a time through every stage, so a pipeline "
+            "has nothing to overlap). Generate with the whole model in one process: whole = model.to_keras() "
+            "(rank 0; collective), then whole.generate(...); or model.save_to_preset(directory) and "
+            "keras_hub's from_preset(directory).generate(...) in a plain process."
+        )
+
     @collective
     def quantize(self, mode=None, config=None, filters=None, **kwargs) -> None:
         """As ``keras.Model.quantize``, where every rank holds the whole model (one stage); then built anew.

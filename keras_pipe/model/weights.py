@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from keras_pipe.errors import PipelineConfigError
+from keras_pipe import compat
+from keras_pipe.errors import PipelineConfigError, PipelineIOError
 
 
 def ordered(engine) -> list[tuple]:
@@ -113,3 +114,34 @@ def _unit_of(engine, variable) -> str | None:
         if any(v is variable for v in layer.weights):
             return unit
     return None
+
+
+def load_deferred(engine, model) -> None:
+    """The weights files loaded into ``model`` (or a model nested in it) while it had no memory, now read (collective).
+
+    A keras_hub ``from_preset`` (or a ``load_weights``) inside
+    :func:`keras_pipe.unallocated` is recorded, not run (see
+    :func:`keras_pipe.compat.unallocated_scope`). Once each rank holds its own
+    stage, each rank runs Keras' own load of each file over the whole model,
+    reading and assigning only the variables it holds; an error on any rank
+    (a missing file, a shape that differs) is raised on every rank, naming it.
+    """
+    loads = [(sub, load) for sub in compat.sublayers(model) for load in sub.__dict__.get(compat.DEFERRED_LOADS, [])]
+    if not loads:
+        return
+    problem = None
+    try:
+        with compat.held_only_loading():
+            for sub, (filepath, skip_mismatch, objects_to_skip) in loads:
+                compat.load_weights_only(sub, filepath, skip_mismatch, objects_to_skip)
+    except Exception as error:  # noqa: BLE001 - every rank raises the first rank's error
+        problem = f"rank {engine.world.rank}: {type(error).__name__}: {error}"
+    problems = (
+        [p for p in engine.world.allgather_json(problem) if p] if engine.world.size > 1 else [problem] * bool(problem)
+    )
+    if problems:
+        raise PipelineIOError(
+            f"loading the weights recorded while {model.name!r} was created unallocated failed: {problems[0]}"
+        )
+    for sub, _ in loads:
+        object.__setattr__(sub, compat.DEFERRED_LOADS, [])

@@ -105,13 +105,13 @@ class StageCompute(StageBackward, StageUpdate):
     def _prepare(self) -> None:
         """What follows from the layers, their trainable flags and the masks: variables, split, steps."""
         # (a frozen model, trainable=False, trains nothing, whatever its layers' flags say: Keras' Model does so)
-        weights = () if self.frozen else (v for layer in self.layers for v in layer.trainable_weights)
+        weights = () if self.frozen else (v for layer in self.layers for v in compat.trained_weights(layer))
         self.trainable_variables = _unique(weights)
         self.weight_bytes = self._weight_bytes()
         self.gradients = GradientSum(self.trainable_variables, self._program, self.sparse_forms)
         self._sparse_forms: dict | None = None
         self.has_weight_regularizers = any(
-            v.regularizer is not None for layer in self.regularized_layers for v in layer.trainable_weights
+            v.regularizer is not None for layer in self.regularized_layers for v in compat.trained_weights(layer)
         )
         reasons = [r for r in map(replay.why_not_replayable, self.calls) if r]
         if any(m is not None for m in self.masks.values()):

@@ -87,9 +87,10 @@ def why_not_replayable(call) -> str | None:
         and activation not in (None, keras.activations.linear)
     ):
         return f"{layer.name} has an activity regularizer after its activation"
-    if layer.trainable_weights and not isinstance(layer, WEIGHTED):
+    trained = compat.trained_weights(layer)
+    if trained and not isinstance(layer, WEIGHTED):
         return f"{type(layer).__name__} has weights and is not one of the linear layers"
-    if not type(layer).__module__.startswith("keras.") and not layer.trainable_weights:
+    if not type(layer).__module__.startswith("keras.") and not trained:
         return f"{type(layer).__name__} is not a Keras layer (its call may have side effects)"
     if call.node.arguments.kwargs:
         return f"{layer.name} is called with keyword arguments {sorted(call.node.arguments.kwargs)}"
@@ -124,7 +125,7 @@ class Step:
         self.outputs = outputs
         layer = self.layer
         own = part != "activation" and layer is not None
-        self.variables = list(layer.trainable_variables) if own else []
+        self.variables = compat.trained_weights(layer) if own else []
         self.seeds = compat.seed_generators(layer) if own else []
         # an activation whose gradient TensorFlow takes from its output: the forward keeps the
         # output (the next step's input, kept anyway) instead of the input (one more tensor)

@@ -1,0 +1,368 @@
+"""Fine-tuning, as users write it, pipelined against the unsplit model from the same weights (issue 46).
+
+Run as ``mpirun -n P python fine_tuning.py [CASE ...]``; prints ``FINE-TUNING OK <case>`` per rank and case.
+Cases (AdamW, 4 micro-batches unless said):
+
+``child``: a composite layer (a ``Layer`` whose ``call()`` runs two ``Dense``) frozen, then one of its children
+unfrozen (``block.trainable = False; block.a.trainable = True``): Keras trains the child, as it decides
+trainability per variable. ``lora``: every layer frozen, then LoRA enabled at every depth, as keras_hub's
+``Backbone.enable_lora`` does it (the target unfrozen, then ``enable_lora``): on an ``Embedding`` and a
+``Dense`` at the top and on an ``EinsumDense`` and a ``Dense`` inside a frozen composite layer; under 1F1B and
+under ZB-H1 (the split backward's batched ``W`` takes the LoRA kernels). ``qlora``: the same after
+``quantize("int8")``. ``guide``: Keras' transfer-learning guide, its two phases: ``base.trainable = False``,
+``base(x, training=False)``, a new head, fit; then ``base.trainable = True``, ``compile()`` with a small rate, fit
+again (one micro-batch: Keras 3's ``fit`` gives the nested call ``training=True`` in the second phase, so batch
+normalization normalises with the batch's statistics, which micro-batches would split; with several, every
+rank warns at that ``compile()``). ``guide_subclassed``: the same written as a subclassed model whose ``call()``
+passes ``training=False`` to the backbone: Keras keeps a caller's argument there, so the backbone stays in
+inference mode in both phases, on 4 micro-batches. ``llama_lora``: keras_hub's ``LlamaCausalLM`` with
+``backbone.enable_lora(4)``. ``preset``: a ``LlamaCausalLM`` saved with ``save_to_preset`` (rank 0), opened with
+``from_preset`` inside ``keras_pipe.unallocated()`` and pipelined: each rank reads only its own stage's weights
+from the file, and predicts what the preset model predicts; ``generate()`` is refused on every rank, naming the
+route that works.
+"""
+
+import os
+import sys
+import tempfile
+import warnings
+
+import keras
+import numpy as np
+from common import SIZE, assert_close, on_rank_0
+from mpi4py import MPI
+
+import keras_pipe
+from keras_pipe import PipelineConfigError, PipelineModel
+
+VOCAB, LENGTH = 40, 12
+rng = np.random.default_rng(3)
+tokens = rng.integers(1, VOCAB, size=(48, LENGTH)).astype("int32")
+classes = (tokens[:, 0] % 3).astype("int32")
+features = rng.normal(size=(48, 12)).astype("float32")
+FIT = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+
+@keras.saving.register_keras_serializable(package="fine_tuning")
+class Block(keras.layers.Layer):
+    """A composite layer: its call() runs two layers that hold weights (kept whole by the cut)."""
+
+    def __init__(self, width, einsum=False, **kwargs):
+        super().__init__(**kwargs)
+        self.width, self.einsum = width, einsum
+        if einsum:
+            self.a = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, width), bias_axes="d", name="a")
+        else:
+            self.a = keras.layers.Dense(width, activation="relu", name="a")
+        self.b = keras.layers.Dense(width, activation="tanh", name="b")
+
+    def build(self, shape):
+        self.a.build(shape)
+        self.b.build((*shape[:-1], self.width))
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+    def compute_output_shape(self, shape):
+        return (*shape[:-1], self.width)
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width, "einsum": self.einsum}
+
+
+def adamw(rate=1e-2):
+    return dict(
+        optimizer=keras.optimizers.AdamW(rate),
+        loss="sparse_categorical_crossentropy",
+        metrics=["sparse_categorical_accuracy"],
+        jit_compile=False,
+    )
+
+
+def freeze_all(model):
+    for layer in model._flatten_layers(include_self=False):
+        layer.trainable = False
+
+
+def compare(case, make, prepare, phases, x, y, tolerance=(2e-5, 2e-6), **pipeline_args):
+    """Trains the unsplit model (rank 0) and the pipeline from the same weights through ``phases``; compares.
+
+    ``prepare(model)`` freezes and adds LoRA (before the weights are copied, so that LoRA's random initial
+    kernels are the same too); each phase is ``(change(model), compile_args)``: what the user changes between
+    two ``fit()`` calls, then ``compile()`` again, as Keras asks.
+    """
+    keras.utils.set_random_seed(11)
+    reference = make()
+    keras.utils.set_random_seed(11)
+    handed_in = make()
+    prepare(reference)
+    prepare(handed_in)
+    handed_in.set_weights(reference.get_weights())
+    initial = [np.array(w) for w in reference.get_weights()]
+
+    def run():
+        results = []
+        for change, compile_args in phases:
+            change(reference)
+            reference.compile(**compile_args())
+            history = reference.fit(x, y, **FIT).history
+            results.append((history, reference.get_weights()))
+        return results, reference.predict(x, batch_size=16, verbose=0)
+
+    expected, predicted = on_rank_0(run)
+    model = PipelineModel.from_model(handed_in, **pipeline_args)
+    for k, (change, compile_args) in enumerate(phases):
+        change(handed_in)
+        model.compile(**compile_args())
+        history = model.fit(x, y, **FIT).history
+        want_history, want_weights = expected[k]
+        rtol, atol = tolerance
+        for key in want_history:
+            assert_close(history[key], want_history[key], f"{case} phase {k} history {key}", rtol, atol)
+        moved = 0
+        for i, (a, b, start, variable) in enumerate(zip(model.get_weights(), want_weights, initial, reference.weights)):
+            assert_close(a, b, f"{case} phase {k} weight {i} ({variable.path})", 5 * rtol, 15 * atol)
+            moved += not np.allclose(b, start)
+        assert moved, f"{case} phase {k}: no weight moved in the unsplit model either"
+    keras.tree.map_structure(
+        lambda a, b: assert_close(a, b, f"{case} predict", rtol, atol),
+        model.predict(x, batch_size=16, verbose=0),
+        predicted,
+    )
+    return model, reference
+
+
+def keep(model):
+    return None
+
+
+def child(case):
+    def make():
+        inputs = keras.Input((12,))
+        # (wide enough around the block that, on up to 4 ranks, the cut keeps it whole: a unit whose
+        # own flag is False holding a child whose flag is True)
+        h = keras.layers.Dense(64, activation="relu", name="first")(inputs)
+        h = keras.layers.Dense(16, activation="relu", name="second")(h)
+        h = Block(16, name="block")(h)
+        outputs = keras.layers.Dense(3, activation="softmax", name="head")(h)
+        return keras.Model(inputs, outputs)
+
+    def prepare(model):
+        block = model.get_layer("block")
+        block.trainable = False
+        block.a.trainable = True  # (Keras trains it: its variables' flags are set again)
+
+    model, reference = compare(case, make, prepare, [(keep, adamw)], features, classes, num_microbatches=4)
+    trained = {v.path for v in reference.trainable_variables}
+    assert any("block/a" in p for p in trained) and not any("block/b" in p for p in trained), trained
+
+
+def lora_model():
+    tokens_in = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 16, name="embedding")(tokens_in)
+    h = Block(16, einsum=True, name="block")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    h = keras.layers.Dense(16, activation="relu", name="dense")(h)
+    outputs = keras.layers.Dense(3, activation="softmax", name="head")(h)
+    return keras.Model(tokens_in, outputs)
+
+
+def enable_lora(model, quantize=False):
+    if quantize:
+        model.quantize("int8", filters=lambda layer: layer.name != "head")
+    freeze_all(model)
+    block = model.get_layer("block")
+    for layer in (model.get_layer("embedding"), block.a, block.b, model.get_layer("dense")):
+        layer.trainable = True  # (as Backbone.enable_lora: the target unfrozen, then LoRA on it)
+        layer.enable_lora(2)
+    model.get_layer("head").trainable = True  # (a new head, trained whole)
+
+
+def lora(case, quantize=False):
+    for schedule in ("1f1b", "zb-h1"):
+        _, reference = compare(
+            f"{case} {schedule}",
+            lora_model,
+            lambda m: enable_lora(m, quantize),
+            [(keep, adamw)],
+            tokens,
+            classes,
+            tolerance=(5e-5, 1e-5) if quantize else (2e-5, 2e-6),
+            num_microbatches=4,
+            schedule=schedule,
+        )
+        trained = [v.path for v in reference.trainable_variables]
+        assert sum("lora" in p for p in trained) == 8 and "embedding/embeddings" not in trained, trained
+
+
+def qlora(case):
+    lora(case, quantize=True)
+
+
+def guide_base():
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", name="conv_a")(inputs)
+    h = keras.layers.BatchNormalization(name="bn_a")(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", name="conv_b")(h)
+    h = keras.layers.BatchNormalization(name="bn_b")(h)
+    h = keras.layers.Activation("relu")(h)
+    return keras.Model(inputs, h, name="base")
+
+
+def guide_phases(base_of):
+    def freeze(model):
+        base_of(model).trainable = False
+
+    def unfreeze(model):
+        base_of(model).trainable = True
+
+    return [(freeze, lambda: adamw(1e-2)), (unfreeze, lambda: adamw(1e-4))]
+
+
+images = rng.normal(size=(48, 8, 8, 3)).astype("float32")
+
+
+def guide(case):
+    def make():
+        base = guide_base()
+        inputs = keras.Input((8, 8, 3))
+        h = base(inputs, training=False)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        outputs = keras.layers.Dense(3, activation="softmax", name="head")(h)
+        return keras.Model(inputs, outputs)
+
+    compare(case, make, keep, guide_phases(lambda m: m.get_layer("base")), images, classes, num_microbatches=1)
+    # several micro-batches: batch normalization trains again in the second phase, which every rank says
+    keras.utils.set_random_seed(11)
+    handed_in = make()
+    handed_in.get_layer("base").trainable = False  # (frozen before the pipeline is made, as in the guide)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PipelineModel.from_model(handed_in, num_microbatches=2)
+        model.compile(**adamw())
+    assert not [w for w in caught if "BatchNormalization" in str(w.message)], [str(w.message) for w in caught]
+    handed_in.get_layer("base").trainable = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(**adamw(1e-4))
+    assert [w for w in caught if "BatchNormalization" in str(w.message)], [str(w.message) for w in caught]
+
+
+@keras.saving.register_keras_serializable(package="fine_tuning")
+class Classifier(keras.Model):
+    """The guide's model written as a subclass: the backbone called with training=False in call()."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.base = guide_base()
+        self.pool = keras.layers.GlobalAveragePooling2D()
+        self.head = keras.layers.Dense(3, activation="softmax", name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.pool(self.base(x, training=False)))
+
+
+def guide_subclassed(case):
+    def make():
+        model = Classifier()
+        model(images[:1])  # (built by a call: build() alone leaves the head unbuilt)
+        return model
+
+    compare(case, make, keep, guide_phases(lambda m: m.base), images, classes, num_microbatches=4)
+
+
+def tiny_llama():
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=3,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def lm_compile(rate=1e-2):
+    return dict(
+        optimizer=keras.optimizers.AdamW(rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[],
+        jit_compile=False,
+    )
+
+
+def shifted(ids):
+    return np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), ids.dtype)], axis=1)
+
+
+def llama_lora(case):
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    _, reference = compare(
+        case,
+        tiny_llama,
+        lambda m: m.backbone.enable_lora(4),
+        [(keep, lm_compile)],
+        x,
+        shifted(tokens),
+        tolerance=(5e-5, 1e-5),
+        num_microbatches=4,
+    )
+    trained = [v.path for v in reference.trainable_variables]
+    assert trained and all("lora" in p for p in trained), trained
+
+
+def preset(case):
+    import keras_hub
+
+    directory = os.path.join(tempfile.gettempdir(), f"keras_pipe_preset_{os.getppid()}")
+
+    def save():
+        keras.utils.set_random_seed(5)
+        model = tiny_llama()
+        model.backbone.save_to_preset(directory)
+        x = {"token_ids": tokens[:8], "padding_mask": np.ones_like(tokens[:8])}
+        loaded = keras_hub.models.LlamaCausalLM.from_preset(directory, preprocessor=None)
+        return model.predict(x, verbose=0), loaded.predict(x, verbose=0)
+
+    expected, reloaded = on_rank_0(save)
+    assert_close(reloaded, expected, "the preset opened in plain keras_hub")
+    keras.utils.set_random_seed(99)  # (other initial values than the preset's: they must not be what trains)
+    with keras_pipe.unallocated():
+        lm = keras_hub.models.LlamaCausalLM.from_preset(directory, preprocessor=None)
+    held = [v for v in lm.weights if not keras_pipe.compat.unallocated(v)]
+    assert not held, f"weights held before the pipeline: {[v.path for v in held][:3]}"
+    model = PipelineModel.from_model(lm, num_microbatches=2)
+    x = {"token_ids": tokens[:8], "padding_mask": np.ones_like(tokens[:8])}
+    assert_close(model.predict(x, batch_size=8, verbose=0), expected, f"{case}: predictions of the preset's weights")
+    stage = [v for v in lm.weights if not keras_pipe.compat.unallocated(v)]
+    total = sum(int(np.prod(v.shape)) for v in lm.weights)
+    mine = sum(int(np.prod(v.shape)) for v in stage)
+    if SIZE > 1:
+        assert mine < total, (mine, total)
+    try:
+        model.generate(x)
+    except PipelineConfigError as error:
+        assert "save_to_preset" in str(error), error
+    else:
+        raise AssertionError("generate() was not refused")
+
+
+CASES = dict(
+    child=child,
+    lora=lora,
+    qlora=qlora,
+    guide=guide,
+    guide_subclassed=guide_subclassed,
+    llama_lora=llama_lora,
+    preset=preset,
+)
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(CASES):
+        CASES[name](name)
+        MPI.COMM_WORLD.Barrier()
+        print(f"FINE-TUNING OK {name}", flush=True)

@@ -1,0 +1,26 @@
+"""Fine-tuning pretrained models, as users write it, equals the unsplit model (issue 46).
+
+``mpi_scripts/fine_tuning.py`` on 1, 2 and 4 ranks: a frozen composite layer with a trainable child, LoRA at every
+depth (and on int8-quantized layers), Keras' transfer-learning guide in both its forms, keras_hub's
+``backbone.enable_lora``, and a keras_hub preset opened inside ``keras_pipe.unallocated()``, each rank reading its
+own stage's weights. Each case trains the unsplit model on rank 0 and the pipeline from the same weights.
+"""
+
+import pytest
+from mpi import require_keras_hub, run_mpi
+
+CASES = {
+    1: ["child", "lora", "guide_subclassed", "preset"],
+    2: ["child", "lora", "qlora", "guide", "guide_subclassed", "llama_lora", "preset"],
+    4: ["child", "lora", "guide", "llama_lora", "preset"],
+}
+
+
+@pytest.mark.parametrize("nprocs", sorted(CASES))
+def test_fine_tuning_equals_keras(nprocs):
+    require_keras_hub()
+    cases = CASES[nprocs]
+    launch = run_mpi(nprocs, "fine_tuning.py", *cases, timeout=1200)
+    assert launch.returncode == 0, launch.output
+    for case in cases:
+        assert launch.output.count(f"FINE-TUNING OK {case}\n") == nprocs, (case, launch.output)
