@@ -12,9 +12,9 @@ import pytest
 from mpi import require_keras_hub, run_mpi
 
 CASES = {
-    1: ["child", "lora", "guide_subclassed", "preset"],
-    2: ["child", "lora", "qlora", "guide", "guide_subclassed", "llama_lora", "preset"],
-    4: ["child", "lora", "guide", "llama_lora", "preset"],
+    1: ["child", "lora", "guide_subclassed", "guide_unallocated", "preset"],
+    2: ["child", "lora", "qlora", "guide", "guide_subclassed", "guide_unallocated", "llama_lora", "preset"],
+    4: ["child", "lora", "guide", "guide_unallocated", "llama_lora", "preset"],
 }
 
 

@@ -152,6 +152,7 @@ class Engine:
         ``frozen``: the model's ``trainable`` is ``False`` (its layers' own flags stay as they are, as in Keras).
         """
         self.jit, self.eager, self.frozen = jit, eager, frozen
+        self._check_weights_unchanged()
         for chunk in self.chunks:
             chunk.compute.configure(jit, eager, frozen)
         if self.graph is not None:  # (a layer unfrozen since, as in the second phase of Keras' fine-tuning guide)
@@ -231,6 +232,7 @@ class Engine:
         if self.num_chunks > 1:
             self._check_chunked(the_cut)
         self.graph, self.cut, self.balance = model_graph, the_cut, list(sizes)
+        self._built_counts = self._weight_counts()
         own = [model_graph.units[unit] for unit in self.stage_units()]
         graphs.allocate(own)
         self._warn_about_batch_statistics(model_graph)
@@ -303,6 +305,23 @@ class Engine:
         """Frees the weights of the layers other stages hold (a model handed in built had them all)."""
         held = set(self.stage_units())
         graphs.release([layer for unit, layer in self.graph.units.items() if unit not in held])
+
+    def _weight_counts(self) -> dict:
+        return {unit: len(layer.weights) for unit, layer in self.graph.units.items()}
+
+    def _check_weights_unchanged(self) -> None:
+        """Raises (on every rank: every rank holds every layer object) where layers gained or lost weights since the
+        pipeline was made: LoRA enabled, or a layer quantized, on the model handed in. The cut, the stages' weights,
+        ``get_weights`` and saving were made from the weights the layers held then."""
+        if self.graph is None:
+            return
+        changed = sorted(unit for unit, count in self._weight_counts().items() if count != self._built_counts[unit])
+        if changed:
+            raise PipelineConfigError(
+                f"the layers {changed[:5]} hold other weights than when the pipeline was made (LoRA enabled or a "
+                "layer quantized after PipelineModel.from_model?). Change the Keras model first (enable_lora, "
+                "quantize), then make the pipeline of it."
+            )
 
     def _warn_about_batch_statistics(self, model_graph) -> None:
         if self.num_microbatches > 1:

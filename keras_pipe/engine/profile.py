@@ -45,7 +45,7 @@ def node_times(model_graph, nodes, rows: int, repeats: int = 5) -> list[float]:
         def step(values, call=call, variables=variables):
             inputs = [v for v in values.values() if v.dtype.is_floating]
             with tf.GradientTape() as tape:
-                tape.watch(inputs)
+                tape.watch(inputs + [compat.variable_handle(v) for v in variables])
                 outputs = call(values, training=True)
             outputs = [t for t in outputs if t.dtype.is_floating]
             sources = inputs + variables

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.stage import replay
 from keras_pipe.stage.gradients import lookup_form
@@ -45,9 +46,16 @@ class StageBackward:
         tape = tf.GradientTape()
         with tape:
             tape.watch(self._gradient_sources(inputs))
+            self._watch_weights(tape)
             outputs = program(inputs, *args)
         self._kept[i] = (tape, inputs, differentiated(outputs))
         return outputs
+
+    def _watch_weights(self, tape) -> None:
+        """Watches the weights that train: a tape watches only variables whose ``tf.Variable`` is trainable, and
+        one allocated while its layer was frozen (a model frozen before the pipeline gave it memory, then
+        unfrozen) is not, whatever its Keras flag says now; Keras' flag decides (``compat.trained_weights``)."""
+        tape.watch([compat.variable_handle(v) for v in self.trainable_variables])
 
     def _gradient_sources(self, inputs) -> list:
         """The input tensors whose gradients go back to earlier stages."""
@@ -71,6 +79,7 @@ class StageBackward:
 
             def trace(inputs):
                 with tf.GradientTape() as tape:
+                    self._watch_weights(tape)
                     values, total, _, _ = self._run(inputs, True)
                     for t in self.stage.outputs:
                         if values[t].dtype.is_floating:
@@ -132,6 +141,7 @@ class StageBackward:
             sources_in = self._gradient_sources(inputs)
             with tf.GradientTape() as tape:
                 tape.watch(sources_in)
+                self._watch_weights(tape)
                 values, activity, _, _ = self._run(inputs, True)
                 terms, _ = self._head(loss, values, y, sample_weight)
                 total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
@@ -258,6 +268,7 @@ class StageBackward:
             sources_in = self._gradient_sources(inputs)
             with tf.GradientTape() as tape:
                 tape.watch(sources_in)
+                self._watch_weights(tape)
                 outputs = rerun.differentiated(rerun.program.python(inputs, *args))
             all_grads = tape.gradient(
                 outputs, sources_in + self.trainable_variables, output_gradients=list(grads) + [activity_scale]

@@ -138,6 +138,7 @@ class StageUpdate:
 
         def regularization(loss_scale):
             with tf.GradientTape() as tape:
+                self._watch_weights(tape)
                 loss = self._regularization_loss()
                 scaled = loss * loss_scale
             return loss, tape.gradient(scaled, self.trainable_variables)

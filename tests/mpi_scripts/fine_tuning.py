@@ -15,7 +15,9 @@ again (one micro-batch: Keras 3's ``fit`` gives the nested call ``training=True`
 normalization normalises with the batch's statistics, which micro-batches would split; with several, every
 rank warns at that ``compile()``). ``guide_subclassed``: the same written as a subclassed model whose ``call()``
 passes ``training=False`` to the backbone: Keras keeps a caller's argument there, so the backbone stays in
-inference mode in both phases, on 4 micro-batches. ``llama_lora``: keras_hub's ``LlamaCausalLM`` with
+inference mode in both phases, on 4 micro-batches. ``guide_unallocated``: the guide's model created inside
+``keras_pipe.unallocated()``, its weights loaded from a file (each rank reading its own) and its base frozen
+before the pipeline allocates it, then unfrozen: it trains. ``llama_lora``: keras_hub's ``LlamaCausalLM`` with
 ``backbone.enable_lora(4)``. ``preset``: a ``LlamaCausalLM`` saved with ``save_to_preset`` (rank 0), opened with
 ``from_preset`` inside ``keras_pipe.unallocated()`` and pipelined: each rank reads only its own stage's weights
 from the file, and predicts what the preset model predicts; ``generate()`` is refused on every rank, naming the
@@ -84,21 +86,30 @@ def freeze_all(model):
         layer.trainable = False
 
 
-def compare(case, make, prepare, phases, x, y, tolerance=(2e-5, 2e-6), **pipeline_args):
+def compare(case, make, prepare, phases, x, y, tolerance=(2e-5, 2e-6), unallocated=False, **pipeline_args):
     """Trains the unsplit model (rank 0) and the pipeline from the same weights through ``phases``; compares.
 
     ``prepare(model)`` freezes and adds LoRA (before the weights are copied, so that LoRA's random initial
     kernels are the same too); each phase is ``(change(model), compile_args)``: what the user changes between
-    two ``fit()`` calls, then ``compile()`` again, as Keras asks.
+    two ``fit()`` calls, then ``compile()`` again, as Keras asks. ``unallocated``: the pipeline's model is created
+    inside ``keras_pipe.unallocated()`` and loads the weights from a file (rank 0's), then is prepared.
     """
     keras.utils.set_random_seed(11)
     reference = make()
-    keras.utils.set_random_seed(11)
-    handed_in = make()
     prepare(reference)
-    prepare(handed_in)
-    handed_in.set_weights(reference.get_weights())
     initial = [np.array(w) for w in reference.get_weights()]
+    if unallocated:  # (created without memory, the weights loaded from a file each rank reads its part of)
+        path = os.path.join(tempfile.gettempdir(), f"keras_pipe_fine_tuning_{os.getppid()}.weights.h5")
+        on_rank_0(reference.save_weights, path)
+        with keras_pipe.unallocated():
+            handed_in = make()
+            handed_in.load_weights(path)
+        prepare(handed_in)
+    else:
+        keras.utils.set_random_seed(11)
+        handed_in = make()
+        prepare(handed_in)
+        handed_in.set_weights(initial)
 
     def run():
         results = []
@@ -263,6 +274,23 @@ class Classifier(keras.Model):
         return self.head(self.pool(self.base(x, training=False)))
 
 
+def guide_unallocated(case):
+    """The guide's model created inside unallocated(), its weights loaded from a file and its base frozen before the
+    pipeline gives it memory: its variables are allocated frozen (TensorFlow's own flag False), then unfrozen."""
+
+    def make():
+        base = guide_base()
+        inputs = keras.Input((8, 8, 3))
+        h = keras.layers.GlobalAveragePooling2D()(base(inputs, training=False))
+        return keras.Model(inputs, keras.layers.Dense(3, activation="softmax", name="head")(h))
+
+    def freeze(model):
+        model.get_layer("base").trainable = False
+
+    phases = guide_phases(lambda m: m.get_layer("base"))
+    compare(case, make, freeze, phases, images, classes, unallocated=True, num_microbatches=1)
+
+
 def guide_subclassed(case):
     def make():
         model = Classifier()
@@ -313,6 +341,17 @@ def llama_lora(case):
     )
     trained = [v.path for v in reference.trainable_variables]
     assert trained and all("lora" in p for p in trained), trained
+    # LoRA enabled on the model handed in after the pipeline was made: refused on every rank at compile()
+    keras.utils.set_random_seed(11)
+    handed_in = tiny_llama()
+    model = PipelineModel.from_model(handed_in, num_microbatches=2)
+    handed_in.backbone.enable_lora(2)
+    try:
+        model.compile(**lm_compile())
+    except PipelineConfigError as error:
+        assert "enable_lora" in str(error), error
+    else:
+        raise AssertionError("LoRA enabled after from_model was not refused")
 
 
 def preset(case):
@@ -357,6 +396,7 @@ CASES = dict(
     qlora=qlora,
     guide=guide,
     guide_subclassed=guide_subclassed,
+    guide_unallocated=guide_unallocated,
     llama_lora=llama_lora,
     preset=preset,
 )
