@@ -529,6 +529,9 @@ class _Stored:
         value = np.asarray(self.read())
         return value if dtype is None else value.astype(dtype)
 
+    def __getitem__(self, key):  # (``store["rank"][()]``, as keras_hub reads a scalar)
+        return np.asarray(self.read())[key]
+
 
 @contextlib.contextmanager
 def held_only_loading():
@@ -579,6 +582,27 @@ def held_only_loading():
         for store, read in reads.items():
             store.__getitem__ = read
         Variable.assign = assign
+
+
+def write_lora_file(filepath: str, rank: int, kernels: list) -> None:
+    """keras_hub's ``Backbone.save_lora_weights`` file (``saving_lib.H5IOStore``, keras_hub 0.20-0.32): ``lora/rank``
+    and ``lora/<index>/lora_kernel_a|b`` for each ``(index, a, b)`` of ``kernels``, the index counting the
+    backbone's layers that hold weights.
+
+    Why: the pipeline's backbone holds only this rank's LoRA kernels; rank 0
+    writes what keras_hub writes, from the gathered values.
+    """
+    from keras.src.saving import saving_lib
+
+    store = saving_lib.H5IOStore(filepath, mode="w")
+    try:
+        store.make("lora")["rank"] = rank
+        for index, a, b in kernels:
+            inner = store.make(f"lora/{index}")
+            inner["lora_kernel_a"] = a
+            inner["lora_kernel_b"] = b
+    finally:
+        store.close()
 
 
 def load_weights_only(model, filepath: str, skip_mismatch: bool, objects_to_skip) -> None:

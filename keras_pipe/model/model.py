@@ -27,7 +27,7 @@ from keras_pipe.model import weights as _weights
 from keras_pipe.model.building import ModelBuilding
 from keras_pipe.model.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
 from keras_pipe.model.datasets import DatasetStrategy
-from keras_pipe.model.saving import SavingMethods
+from keras_pipe.model.saving import SavingMethods, on_root
 from keras_pipe.mpi.failure import collective
 from keras_pipe.stage.compute import Masked
 from keras_pipe.stage.losses import MicrobatchLoss
@@ -474,6 +474,53 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         problem = self.engine.world.bcast_json(problem, root=0) if self.engine.world.size > 1 else problem
         if problem is not None:
             raise PipelineConfigError(problem)
+
+    def _lora_backbone(self):
+        """The keras_hub backbone among the model's layers on which ``enable_lora`` was called (every rank alike)."""
+        source = self._source
+        found = [
+            layer
+            for layer in ([source, *compat.sublayers(source)] if source is not None else [])
+            if getattr(layer, "_lora_enabled_layers", None)
+        ]
+        if not found:
+            raise PipelineConfigError(
+                "save_lora_weights()/load_lora_weights() need a keras_hub backbone with LoRA enabled: call "
+                "backbone.enable_lora(rank) before PipelineModel.from_model."
+            )
+        return found[0]
+
+    @collective
+    def save_lora_weights(self, filepath) -> None:
+        """As keras_hub's ``backbone.save_lora_weights``: the LoRA kernels of every stage, one ``.lora.h5`` file.
+
+        Collective: the kernels are gathered, and rank 0 writes the file
+        keras_hub writes (plain ``backbone.load_lora_weights`` reads it).
+        """
+        backbone = self._lora_backbone()
+        if not str(filepath).endswith(".lora.h5"):
+            raise PipelineConfigError(f"The filename must end in `.lora.h5`. Received: filepath={filepath}")
+        layers = [layer for layer in compat.sublayers(backbone)[1:] if layer.weights]
+        enabled = [(index, layers[index]) for index in backbone._lora_enabled_layers]
+        variables = [v for _, layer in enabled for v in (layer.lora_kernel_a, layer.lora_kernel_b)]
+        values = _weights.gather_variables(self.engine, variables)
+        kernels = [(index, values[2 * k], values[2 * k + 1]) for k, (index, _) in enumerate(enabled)]
+        rank = backbone._lora_rank
+        on_root(
+            self.engine.world,
+            lambda: compat.write_lora_file(str(filepath), rank, kernels),
+            f"save LoRA weights to {filepath}",
+        )
+
+    @collective
+    def load_lora_weights(self, filepath) -> None:
+        """As keras_hub's ``backbone.load_lora_weights``; each rank reads its own stage's kernels (collective).
+
+        LoRA must be enabled, with the file's rank, before the pipeline was
+        made (the pipeline's stages hold the weights the layers had then).
+        """
+        backbone = self._lora_backbone()
+        _weights.read_held(self.engine, lambda: backbone.load_lora_weights(filepath), f"load_lora_weights({filepath})")
 
     def generate(self, *args, **kwargs):
         """Refused on every rank: generation is not pipelined; the whole model generates in one process.

@@ -46,6 +46,27 @@ def gather(engine) -> list[np.ndarray]:
     return weights
 
 
+def gather_variables(engine, variables: list) -> list[np.ndarray]:
+    """The values of some of the model's ``variables``, on every rank, from the first replica's stages holding them."""
+    wanted = {id(v): k for k, v in enumerate(variables)}
+    found: list = [None] * len(variables)
+    for variable, owner, _ in ordered(engine):
+        k = wanted.get(id(variable))
+        if k is None or found[k] is not None:
+            continue
+        if owner == engine.stage and engine.replica == 0:
+            array = np.asarray(variable.numpy())
+        else:
+            array = np.empty(tuple(variable.shape), np.dtype(variable.dtype))
+        if engine.world.size > 1:
+            array = engine.world.bcast_array(array, root=engine.layout.rank_of(0, owner))
+        found[k] = array
+    missing = [v.path for v, array in zip(variables, found) if array is None]
+    if missing:
+        raise PipelineConfigError(f"{missing[:3]} are not weights of the pipeline's model.")
+    return found
+
+
 def assign(engine, weights: Sequence[np.ndarray]) -> None:
     """Sets this rank's stage from rank 0's ``weights`` (in ``model.weights`` order, checked against the shapes).
 
@@ -129,19 +150,29 @@ def load_deferred(engine, model) -> None:
     loads = [(sub, load) for sub in compat.sublayers(model) for load in sub.__dict__.get(compat.DEFERRED_LOADS, [])]
     if not loads:
         return
+
+    def load():
+        for sub, (filepath, skip_mismatch, objects_to_skip) in loads:
+            compat.load_weights_only(sub, filepath, skip_mismatch, objects_to_skip)
+
+    read_held(engine, load, f"loading the weights recorded while {model.name!r} was created unallocated")
+    for sub, _ in loads:
+        object.__setattr__(sub, compat.DEFERRED_LOADS, [])
+
+
+def read_held(engine, load, what: str) -> None:
+    """``load()`` (Keras reading a file into the model) on every rank, each reading only what it holds (collective).
+
+    An error on any rank (a missing file, a shape that differs) is raised
+    on every rank, naming the rank.
+    """
     problem = None
     try:
         with compat.held_only_loading():
-            for sub, (filepath, skip_mismatch, objects_to_skip) in loads:
-                compat.load_weights_only(sub, filepath, skip_mismatch, objects_to_skip)
+            load()
     except Exception as error:  # noqa: BLE001 - every rank raises the first rank's error
         problem = f"rank {engine.world.rank}: {type(error).__name__}: {error}"
-    problems = (
-        [p for p in engine.world.allgather_json(problem) if p] if engine.world.size > 1 else [problem] * bool(problem)
-    )
+    problems = [problem] if engine.world.size == 1 else engine.world.allgather_json(problem)
+    problems = [p for p in problems if p]
     if problems:
-        raise PipelineIOError(
-            f"loading the weights recorded while {model.name!r} was created unallocated failed: {problems[0]}"
-        )
-    for sub, _ in loads:
-        object.__setattr__(sub, compat.DEFERRED_LOADS, [])
+        raise PipelineIOError(f"{what} failed: {problems[0]}")

@@ -31,7 +31,7 @@ import warnings
 
 import keras
 import numpy as np
-from common import SIZE, assert_close, on_rank_0
+from common import RANK, SIZE, assert_close, on_rank_0
 from mpi4py import MPI
 
 import keras_pipe
@@ -329,7 +329,7 @@ def shifted(ids):
 
 def llama_lora(case):
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
-    _, reference = compare(
+    model, reference = compare(
         case,
         tiny_llama,
         lambda m: m.backbone.enable_lora(4),
@@ -341,6 +341,27 @@ def llama_lora(case):
     )
     trained = [v.path for v in reference.trainable_variables]
     assert trained and all("lora" in p for p in trained), trained
+    # the LoRA kernels of every stage, in keras_hub's own file: written by rank 0, read by each rank for its stage
+    directory = tempfile.gettempdir()
+    mine, theirs = (os.path.join(directory, f"keras_pipe_{name}_{os.getppid()}.lora.h5") for name in ("pipe", "keras"))
+    model.save_lora_weights(mine)
+    if RANK == 0:  # (rank 0's reference is the trained one)
+        reference.backbone.save_lora_weights(theirs)
+        import h5py
+
+        with h5py.File(mine) as a, h5py.File(theirs) as b:
+            names = _names(a)
+            assert names and sorted(names) == sorted(_names(b)), (names, _names(b))
+            for name in names:
+                if isinstance(a[name], h5py.Dataset):
+                    assert_close(a[name][()], b[name][()], f"{case}: {name} in the .lora.h5 file")
+    keras.utils.set_random_seed(11)  # (the same frozen weights as the trained model's)
+    fresh = tiny_llama()
+    keras.utils.set_random_seed(12)  # (other LoRA kernels than the trained ones: the file's must win)
+    fresh.backbone.enable_lora(4)
+    loaded = PipelineModel.from_model(fresh, num_microbatches=4)
+    loaded.load_lora_weights(mine)
+    assert_close(loaded.predict(x, batch_size=16, verbose=0), model.predict(x, batch_size=16, verbose=0), case)
     # LoRA enabled on the model handed in after the pipeline was made: refused on every rank at compile()
     keras.utils.set_random_seed(11)
     handed_in = tiny_llama()
@@ -352,6 +373,12 @@ def llama_lora(case):
         assert "enable_lora" in str(error), error
     else:
         raise AssertionError("LoRA enabled after from_model was not refused")
+
+
+def _names(group) -> list:
+    names = []
+    group.visit(names.append)
+    return names
 
 
 def preset(case):
