@@ -59,8 +59,14 @@ def own_losses(layer) -> list:
 
 
 def weight_regularization_losses(layer) -> list:
-    """The weight regularizers' losses of ``layer`` (``Layer._get_regularization_losses``, Keras 3.0-3.15)."""
-    return list(layer._get_regularization_losses())
+    """The weight regularizers' losses of ``layer``'s weights that train, as the unsplit model counts them.
+
+    Keras' model sums ``v.regularizer(v)`` over its ``trainable_weights``
+    (``Layer._get_regularization_losses``, Keras 3.0-3.15): the weights of
+    :func:`trained_weights`, not ``layer._get_regularization_losses()``, which
+    a frozen parent empties of a trainable child's.
+    """
+    return [v.regularizer(v) for v in trained_weights(layer) if v.regularizer is not None]
 
 
 def seed_generators(layer) -> list:

@@ -110,7 +110,7 @@ class StageCompute(StageBackward, StageUpdate):
         self.weight_bytes = self._weight_bytes()
         self.gradients = GradientSum(self.trainable_variables, self._program, self.sparse_forms)
         self._sparse_forms: dict | None = None
-        self.has_weight_regularizers = any(
+        self.has_weight_regularizers = not self.frozen and any(
             v.regularizer is not None for layer in self.regularized_layers for v in compat.trained_weights(layer)
         )
         reasons = [r for r in map(replay.why_not_replayable, self.calls) if r]

@@ -317,7 +317,7 @@ def variable_nbytes(variable) -> int:
 def _owning(layers, variables) -> list:
     """The layers among ``layers`` that hold any of ``variables``."""
     ids = {id(v) for v in variables}
-    return [layer for layer in layers if any(id(v) in ids for v in layer.trainable_weights)]
+    return [layer for layer in layers if any(id(v) in ids for v in compat.trained_weights(layer))]
 
 
 def _values(grad):

@@ -55,7 +55,8 @@ class Block(keras.layers.Layer):
         if einsum:
             self.a = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, width), bias_axes="d", name="a")
         else:
-            self.a = keras.layers.Dense(width, activation="relu", name="a")
+            # (regularized: Keras counts the regularizer of a trainable child under a frozen parent)
+            self.a = keras.layers.Dense(width, activation="relu", kernel_regularizer="l2", name="a")
         self.b = keras.layers.Dense(width, activation="tanh", name="b")
 
     def build(self, shape):
