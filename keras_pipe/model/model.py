@@ -21,13 +21,13 @@ from keras_pipe import compat
 from keras_pipe.engine.engine import Engine
 from keras_pipe.engine.logs import ModelLogs
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.model import compile_checks
+from keras_pipe.model import compile_checks, hub
 from keras_pipe.model import summary as summaries
 from keras_pipe.model import weights as _weights
 from keras_pipe.model.building import ModelBuilding
 from keras_pipe.model.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
 from keras_pipe.model.datasets import DatasetStrategy
-from keras_pipe.model.saving import SavingMethods, on_root
+from keras_pipe.model.saving import SavingMethods
 from keras_pipe.mpi.failure import collective
 from keras_pipe.stage.compute import Masked
 from keras_pipe.stage.losses import MicrobatchLoss
@@ -448,94 +448,26 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self.build()
         return int(sum(np.prod(v.shape, dtype=np.int64) for v, _, _ in _weights.ordered(self.engine)))
 
-    # -- keras_hub's task methods ------------------------------------------------
+    # -- keras_hub's task methods (keras_pipe.model.hub) ---------------------------------------
 
     @collective
     def save_to_preset(self, preset_dir) -> None:
-        """As a keras_hub task's (or backbone's) ``save_to_preset``: rank 0 writes the preset of the whole model.
-
-        The preset holds the trained weights; plain keras_hub's ``from_preset``
-        opens it in one process, or inside :func:`keras_pipe.unallocated` on
-        any number of ranks (each reading its own stage's weights).
-        """
-        whole = self.to_keras()
-        problem = None
-        if whole is not None:
-            if not hasattr(whole, "save_to_preset"):
-                problem = (
-                    f"save_to_preset() is a keras_hub task's or backbone's; this pipeline's model is a "
-                    f"{type(whole).__name__}: use save()"
-                )
-            else:
-                try:
-                    whole.save_to_preset(preset_dir)
-                except Exception as error:  # noqa: BLE001 - every rank raises it
-                    problem = f"rank 0 could not write the preset {preset_dir!r}: {type(error).__name__}: {error}"
-        problem = self.engine.world.bcast_json(problem, root=0) if self.engine.world.size > 1 else problem
-        if problem is not None:
-            raise PipelineConfigError(problem)
-
-    def _lora_backbone(self):
-        """The keras_hub backbone among the model's layers on which ``enable_lora`` was called (every rank alike)."""
-        source = self._source
-        found = [
-            layer
-            for layer in ([source, *compat.sublayers(source)] if source is not None else [])
-            if getattr(layer, "_lora_enabled_layers", None)
-        ]
-        if not found:
-            raise PipelineConfigError(
-                "save_lora_weights()/load_lora_weights() need a keras_hub backbone with LoRA enabled: call "
-                "backbone.enable_lora(rank) before PipelineModel.from_model."
-            )
-        return found[0]
+        """As a keras_hub task's ``save_to_preset``: rank 0 writes the whole model's preset, trained weights and all."""
+        hub.save_to_preset(self, preset_dir)
 
     @collective
     def save_lora_weights(self, filepath) -> None:
-        """As keras_hub's ``backbone.save_lora_weights``: the LoRA kernels of every stage, one ``.lora.h5`` file.
-
-        Collective: the kernels are gathered, and rank 0 writes the file
-        keras_hub writes (plain ``backbone.load_lora_weights`` reads it).
-        """
-        backbone = self._lora_backbone()
-        if not str(filepath).endswith(".lora.h5"):
-            raise PipelineConfigError(f"The filename must end in `.lora.h5`. Received: filepath={filepath}")
-        layers = [layer for layer in compat.sublayers(backbone)[1:] if layer.weights]
-        enabled = [(index, layers[index]) for index in backbone._lora_enabled_layers]
-        variables = [v for _, layer in enabled for v in (layer.lora_kernel_a, layer.lora_kernel_b)]
-        values = _weights.gather_variables(self.engine, variables)
-        kernels = [(index, values[2 * k], values[2 * k + 1]) for k, (index, _) in enumerate(enabled)]
-        rank = backbone._lora_rank
-        on_root(
-            self.engine.world,
-            lambda: compat.write_lora_file(str(filepath), rank, kernels),
-            f"save LoRA weights to {filepath}",
-        )
+        """As keras_hub's ``backbone.save_lora_weights``: every stage's LoRA kernels in keras_hub's one file."""
+        hub.save_lora_weights(self, filepath)
 
     @collective
     def load_lora_weights(self, filepath) -> None:
-        """As keras_hub's ``backbone.load_lora_weights``; each rank reads its own stage's kernels (collective).
-
-        LoRA must be enabled, with the file's rank, before the pipeline was
-        made (the pipeline's stages hold the weights the layers had then).
-        """
-        backbone = self._lora_backbone()
-        _weights.read_held(self.engine, lambda: backbone.load_lora_weights(filepath), f"load_lora_weights({filepath})")
+        """As keras_hub's ``backbone.load_lora_weights``; each rank reads its own stage's kernels."""
+        hub.load_lora_weights(self, filepath)
 
     def generate(self, *args, **kwargs):
-        """Refused on every rank: generation is not pipelined; the whole model generates in one process.
-
-        Decoding runs one token at a time through every stage, so a
-        pipeline has no micro-batches to overlap and would only add the
-        transfers; each stage would also have to keep its own key/value
-        cache in step with the others. Gather the trained model instead.
-        """
-        raise PipelineConfigError(
-            "generate() is not pipelined (decoding runs one token at a time through every stage, so a pipeline "
-            "has nothing to overlap). Generate with the whole model in one process: whole = model.to_keras() "
-            "(rank 0; collective), then whole.generate(...); or model.save_to_preset(directory) and "
-            "keras_hub's from_preset(directory).generate(...) in a plain process."
-        )
+        """Refused on every rank, naming the route that works (see :func:`keras_pipe.model.hub.generate`)."""
+        hub.generate(self)
 
     @collective
     def quantize(self, mode=None, config=None, filters=None, **kwargs) -> None:
