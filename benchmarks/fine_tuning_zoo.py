@@ -80,10 +80,8 @@ def open_saved(family, directory):
             model.load_weights(os.path.join(directory, "whole.weights.h5"))
             return model, backbone
         task = getattr(keras_hub.models, FAMILIES[family][1])
-        kwargs = dict(preprocessor=None)
-        if "Classifier" in FAMILIES[family][1]:
-            kwargs["num_classes"] = 3
-        model = task.from_preset(directory, **kwargs)
+        # (no num_classes: keras_hub would then make a new head instead of loading the saved task's)
+        model = task.from_preset(directory, preprocessor=None)
         del keras
         return model, model.backbone
 

@@ -356,13 +356,22 @@ def llama_lora(case):
             for name in names:
                 if isinstance(a[name], h5py.Dataset):
                     assert_close(a[name][()], b[name][()], f"{case}: {name} in the .lora.h5 file")
+    # the trained pipeline as a keras_hub preset: rank 0 writes it, plain keras_hub opens it
+    preset_dir = os.path.join(directory, f"keras_pipe_trained_preset_{os.getppid()}")
+    model.save_to_preset(preset_dir)
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    if RANK == 0:
+        import keras_hub
+
+        reopened = keras_hub.models.LlamaCausalLM.from_preset(preset_dir, preprocessor=None)
+        assert_close(reopened.predict(x, batch_size=16, verbose=0), predicted, f"{case}: the saved preset")
     keras.utils.set_random_seed(11)  # (the same frozen weights as the trained model's)
     fresh = tiny_llama()
     keras.utils.set_random_seed(12)  # (other LoRA kernels than the trained ones: the file's must win)
     fresh.backbone.enable_lora(4)
     loaded = PipelineModel.from_model(fresh, num_microbatches=4)
     loaded.load_lora_weights(mine)
-    assert_close(loaded.predict(x, batch_size=16, verbose=0), model.predict(x, batch_size=16, verbose=0), case)
+    assert_close(loaded.predict(x, batch_size=16, verbose=0), predicted, case)
     # LoRA enabled on the model handed in after the pipeline was made: refused on every rank at compile()
     keras.utils.set_random_seed(11)
     handed_in = tiny_llama()
