@@ -40,11 +40,7 @@ from keras_pipe.engine.stage_actions import StageActions
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
-from keras_pipe.mpi.agreement import start_entry_agreement
-from keras_pipe.mpi.devices import check_all_ranks, try_configure_gpus
-from keras_pipe.mpi.runtime import init
-from keras_pipe.mpi.threads import configure_threads
-from keras_pipe.mpi.topology import connect
+from keras_pipe.mpi.runtime import join_job
 from keras_pipe.schedules import schedule
 from keras_pipe.schedules.auto import SchedulePicker
 from keras_pipe.stage.compute import Masked, StageCompute, check_recompute
@@ -74,13 +70,7 @@ class Engine:
         split_before=None,
         num_chunks=None,
     ):
-        init()
-        topology = connect(num_stages, stall_timeout)
-        start_entry_agreement(topology.world)
-        hosts, me = topology.layout.hosts, topology.layout.hosts[topology.world.rank]
-        configure_threads(ranks_on_host=hosts.count(me))
-        try_configure_gpus(local_rank=hosts[: topology.world.rank].count(me), local_size=hosts.count(me))
-        check_all_ranks(topology.world)
+        topology = join_job(num_stages, stall_timeout)
         self.world = topology.world
         self.pipeline = topology.pipeline
         self.replicas = topology.replicas
