@@ -8,7 +8,8 @@ The public API is what this module exports (``__all__``), plus
 ``keras_pipe.schedules.schedule`` (schedules as plain data), ``keras_pipe.mpi.layout`` and
 ``keras_pipe.schedules.cost`` (planning without MPI); their paths before the
 packages (``keras_pipe.timeline``, ``.tracing``, ``.schedule``, ``.layout``,
-``.cost``, ``.devices``) are the same modules. The code is in six packages, one
+``.cost``, ``.devices``) still import them, with a DeprecationWarning
+(:mod:`keras_pipe.moved`). The code is in six packages, one
 a layer (``model``, ``engine``, ``stage``, ``graph``, ``schedules``, ``mpi``: each
 package's docstring says what it holds and may import). Modules whose
 docstring starts with "Internal:" may change in any release.
@@ -35,8 +36,11 @@ from keras_pipe.errors import (  # noqa: E402
 from keras_pipe.graph.graph import unallocated  # noqa: E402
 from keras_pipe.model.loading import load_model  # noqa: E402
 from keras_pipe.model.model import PipelineModel  # noqa: E402
+from keras_pipe.moved import install as _install_moved_paths  # noqa: E402
 from keras_pipe.mpi.runtime import init  # noqa: E402
 from keras_pipe.stage.batchnorm import DeferredBatchNormalization  # noqa: E402
+
+_install_moved_paths()  # (0.2's module paths, each with a DeprecationWarning: keras_pipe.moved)
 
 __version__ = "0.2.0"
 
