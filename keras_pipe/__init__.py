@@ -4,7 +4,6 @@ Write a model as a list of layers, run the script under ``mpirun -n P``,
 and each rank trains one contiguous stage of it.
 
 The public API is what this module exports (``__all__``), plus
-``keras_pipe.engine.timeline.PipelineTimeline``, ``keras_pipe.engine.tracing``,
 ``keras_pipe.schedules.schedule`` (schedules as plain data), ``keras_pipe.mpi.layout`` and
 ``keras_pipe.schedules.cost`` (planning without MPI); their paths before the
 packages (``keras_pipe.timeline``, ``.tracing``, ``.schedule``, ``.layout``,
@@ -26,6 +25,7 @@ from keras_pipe.mpi.runtime import start_process as _start_process
 
 _start_process()
 
+from keras_pipe.engine.tracing import SpanRecorder, Tracer  # noqa: E402
 from keras_pipe.errors import (  # noqa: E402
     CollectiveError,
     PipelineConfigError,
@@ -36,6 +36,7 @@ from keras_pipe.errors import (  # noqa: E402
 from keras_pipe.graph.graph import unallocated  # noqa: E402
 from keras_pipe.model.loading import load_model  # noqa: E402
 from keras_pipe.model.model import PipelineModel  # noqa: E402
+from keras_pipe.model.timeline import PipelineTimeline  # noqa: E402
 from keras_pipe.moved import install as _install_moved_paths  # noqa: E402
 from keras_pipe.mpi.runtime import init  # noqa: E402
 from keras_pipe.stage.batchnorm import DeferredBatchNormalization  # noqa: E402
@@ -47,6 +48,9 @@ __version__ = "0.2.0"
 __all__ = [
     "PipelineModel",
     "DeferredBatchNormalization",
+    "PipelineTimeline",
+    "SpanRecorder",
+    "Tracer",
     "load_model",
     "unallocated",
     "init",

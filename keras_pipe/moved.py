@@ -1,6 +1,7 @@
 """The module paths of earlier releases: one table, each old path importing its new module with a DeprecationWarning.
 
-keras_pipe 0.3 put its modules in packages, one a layer. A script that
+keras_pipe 0.3 put its modules in packages, one a layer, and
+``PipelineTimeline`` beside the other Keras-facing code. A script that
 imports an old path still gets the module it names, and a warning saying
 where its names are now; the old paths go in 0.4 (CHANGELOG.md).
 
@@ -21,8 +22,9 @@ import warnings
 
 # old path: (the module it now is, where its public names are imported from since 0.3)
 MOVED = {
-    "keras_pipe.timeline": ("keras_pipe.engine.timeline", "keras_pipe.engine.timeline"),
-    "keras_pipe.tracing": ("keras_pipe.engine.tracing", "keras_pipe.engine.tracing"),
+    "keras_pipe.timeline": ("keras_pipe.model.timeline", "keras_pipe (PipelineTimeline)"),
+    "keras_pipe.engine.timeline": ("keras_pipe.model.timeline", "keras_pipe (PipelineTimeline)"),
+    "keras_pipe.tracing": ("keras_pipe.engine.tracing", "keras_pipe (SpanRecorder, Tracer)"),
     "keras_pipe.schedule": ("keras_pipe.schedules.schedule", "keras_pipe.schedules.schedule"),
     "keras_pipe.cost": ("keras_pipe.schedules.cost", "keras_pipe.schedules.cost"),
     "keras_pipe.layout": ("keras_pipe.mpi.layout", "keras_pipe.mpi.layout"),
