@@ -12,7 +12,7 @@ OLD_PATHS = {
     "keras_pipe.timeline": "keras_pipe.model.timeline",
     "keras_pipe.engine.timeline": "keras_pipe.model.timeline",
     "keras_pipe.tracing": "keras_pipe.engine.tracing",
-    "keras_pipe.schedule": "keras_pipe.schedules.schedule",
+    "keras_pipe.schedule": "keras_pipe.schedules",
     "keras_pipe.cost": "keras_pipe.schedules.cost",
     "keras_pipe.layout": "keras_pipe.mpi.layout",
     "keras_pipe.devices": "keras_pipe.mpi.devices",

@@ -42,6 +42,7 @@ from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
 from keras_pipe.mpi.runtime import join_job
 from keras_pipe.schedules import schedule
+from keras_pipe.schedules.actions import check_microbatches
 from keras_pipe.schedules.auto import SchedulePicker
 from keras_pipe.stage.compute import Masked, StageCompute, check_recompute
 from keras_pipe.stage.losses import divisor_shares
@@ -81,7 +82,7 @@ class Engine:
         self.num_replicas = self.layout.num_replicas
         if num_microbatches is None:
             num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
-        schedule.check_microbatches(num_microbatches)
+        check_microbatches(num_microbatches)
         schedule.check_name(schedule_name)
         num_chunks = schedule.default_chunks(schedule_name) if num_chunks is None else num_chunks
         schedule.check_chunks(schedule_name, num_chunks)

@@ -41,7 +41,7 @@ import tensorflow as tf
 from keras_pipe.engine.batch import Batch, StepResult
 from keras_pipe.engine.chunks import Chunk
 from keras_pipe.engine.step_end import StepEnd, loss_scale
-from keras_pipe.schedules.schedule import Action, Kind
+from keras_pipe.schedules.actions import Action, Kind
 
 
 class Executor(StepEnd):
