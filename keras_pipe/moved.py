@@ -26,9 +26,9 @@ MOVED = {
     "keras_pipe.engine.timeline": ("keras_pipe.model.timeline", "keras_pipe (PipelineTimeline)"),
     "keras_pipe.tracing": ("keras_pipe.engine.tracing", "keras_pipe (SpanRecorder, Tracer)"),
     "keras_pipe.schedule": ("keras_pipe.schedules", "keras_pipe.schedules"),
-    "keras_pipe.cost": ("keras_pipe.schedules.cost", "keras_pipe.schedules.cost"),
-    "keras_pipe.layout": ("keras_pipe.mpi.layout", "keras_pipe.mpi.layout"),
-    "keras_pipe.devices": ("keras_pipe.mpi.devices", "keras_pipe.mpi.devices"),
+    "keras_pipe.cost": ("keras_pipe.schedules.cost", "keras_pipe.schedules"),
+    "keras_pipe.layout": ("keras_pipe.mpi.layout", "keras_pipe.mpi (Layout)"),
+    "keras_pipe.devices": ("keras_pipe.mpi.devices", "keras_pipe.mpi (choose_gpu)"),
 }
 
 
