@@ -3,15 +3,17 @@
 Write a model as a list of layers, run the script under ``mpirun -n P``,
 and each rank trains one contiguous stage of it.
 
-The public API is what this module exports (``__all__``), plus
-``keras_pipe.schedules.schedule`` (schedules as plain data), ``keras_pipe.mpi.layout`` and
-``keras_pipe.schedules.cost`` (planning without MPI); their paths before the
-packages (``keras_pipe.timeline``, ``.tracing``, ``.schedule``, ``.layout``,
-``.cost``, ``.devices``) still import them, with a DeprecationWarning
-(:mod:`keras_pipe.moved`). The code is in six packages, one
-a layer (``model``, ``engine``, ``stage``, ``graph``, ``schedules``, ``mpi``: each
-package's docstring says what it holds and may import). Modules whose
-docstring starts with "Internal:" may change in any release.
+The public API is what this module exports (``__all__``), and what
+:mod:`keras_pipe.schedules` (schedules as plain data, the simulator, the cost
+model of a step) and :mod:`keras_pipe.mpi` (the layout of stages and
+replicas, the GPU a rank uses: planning without MPI) export in theirs;
+every other name may change in any release. 0.2's module paths
+(``keras_pipe.timeline``, ``.tracing``, ``.schedule``, ``.layout``,
+``.cost``, ``.devices``, ``keras_pipe.engine.timeline``) still import, with a
+DeprecationWarning, until 0.4 (:mod:`keras_pipe.moved`). The code is in six
+packages, one a layer (``model``, ``engine``, ``stage``, ``graph``,
+``schedules``, ``mpi``: each package's docstring says what it holds and may
+import).
 
 Importing keras_pipe starts MPI and communicates with no other rank (see
 :mod:`keras_pipe.mpi.runtime`). Run a script as ``mpirun -n P python -m
