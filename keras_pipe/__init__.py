@@ -45,7 +45,7 @@ from keras_pipe.stage.batchnorm import DeferredBatchNormalization  # noqa: E402
 
 _install_moved_paths()  # (0.2's module paths, each with a DeprecationWarning: keras_pipe.moved)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "PipelineModel",
