@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from keras_pipe.schedules.schedule import max_held, one_f_one_b, zero_bubble_h1
+from keras_pipe.schedules import max_held, one_f_one_b, zero_bubble_h1
 from keras_pipe.schedules.simulator import bubble, durations_of, gantt, makespan
 from keras_pipe.schedules.virtual import interleaved_one_f_one_b, loop_placement, v_placement
 from keras_pipe.schedules.zero_bubble import zero_bubble_v

@@ -15,8 +15,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_pipe import PipelineModel  # noqa: E402
-from keras_pipe.engine.timeline import PipelineTimeline  # noqa: E402
+from keras_pipe import (
+    PipelineModel,  # noqa: E402
+    PipelineTimeline,  # noqa: E402
+)
 
 
 def main():

@@ -33,6 +33,39 @@ def test_import_contracts():
     assert "3 kept, 0 broken" in result.stdout, result.stdout
 
 
+def test_what_runs_before_mpi_starts_imports_nothing_of_mpi():
+    """keras_pipe.mpi's __init__, mpi/runtime.py and mpi/start.py run before MPI has started (under its deadline).
+
+    At module level they, and the keras_pipe modules they import, import
+    neither mpi4py nor a module that does (an import inside a function runs
+    later, once MPI has started): else ``import keras_pipe`` would start MPI
+    without the deadline of :mod:`keras_pipe.mpi.start`.
+    """
+    import ast
+
+    def module_level_imports(module):
+        path = ROOT.joinpath(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for node in ast.parse(path.read_text()).body:  # (the top level only: not in functions)
+            if isinstance(node, ast.Import):
+                yield from (alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                yield node.module
+                for alias in node.names:
+                    if ROOT.joinpath(*node.module.split("."), f"{alias.name}.py").exists():
+                        yield f"{node.module}.{alias.name}"
+
+    seen, todo = set(), ["keras_pipe.mpi", "keras_pipe.mpi.runtime", "keras_pipe.mpi.start"]
+    while todo:
+        module = todo.pop()
+        for imported in module_level_imports(module):
+            assert not imported.startswith("mpi4py"), f"{module} imports {imported} at module level"
+            if imported.startswith("keras_pipe.") and imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    assert {"keras_pipe.mpi.devices", "keras_pipe.mpi.layout", "keras_pipe.mpi.start"} <= seen, seen
+
+
 def test_no_import_cycle_between_any_two_modules():
     """No module reaches, through imports, a module that imports it (grimp's graph, imports in functions too)."""
     grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (the test extra)")
@@ -47,11 +80,24 @@ def test_no_import_cycle_between_any_two_modules():
 
 
 def test_every_package_says_what_it_may_import():
-    """Each sub-package's __init__ is a docstring (what the layer is for, what it may import) and no import."""
+    """Each sub-package's __init__ is a docstring (what the layer is for, what it may import), and at most exports.
+
+    A package that exports names (``keras_pipe.schedules``: the schedule
+    vocabulary) imports them from its own modules only and lists them in
+    ``__all__``; the others import nothing.
+    """
     import ast
+    import importlib
 
     for init in sorted((ROOT / "keras_pipe").glob("*/__init__.py")):
+        package = f"keras_pipe.{init.parent.name}"
         tree = ast.parse(init.read_text())
         docstring = ast.get_docstring(tree)
         assert docstring and "import" in docstring, init
-        assert not any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(tree)), init
+        imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+        if not imports:
+            continue
+        assert all(isinstance(node, ast.ImportFrom) and node.module.startswith(f"{package}.") for node in imports), init
+        exported = importlib.import_module(package).__all__
+        imported = {alias.asname or alias.name for node in imports for alias in node.names}
+        assert sorted(exported) == sorted(imported), (init, set(exported) ^ imported)

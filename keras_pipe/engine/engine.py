@@ -40,12 +40,9 @@ from keras_pipe.engine.stage_actions import StageActions
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
-from keras_pipe.mpi.agreement import start_entry_agreement
-from keras_pipe.mpi.devices import check_all_ranks, try_configure_gpus
-from keras_pipe.mpi.runtime import init
-from keras_pipe.mpi.threads import configure_threads
-from keras_pipe.mpi.topology import connect
+from keras_pipe.mpi.runtime import join_job
 from keras_pipe.schedules import schedule
+from keras_pipe.schedules.actions import check_microbatches
 from keras_pipe.schedules.auto import SchedulePicker
 from keras_pipe.stage.compute import Masked, StageCompute, check_recompute
 from keras_pipe.stage.losses import divisor_shares
@@ -74,13 +71,7 @@ class Engine:
         split_before=None,
         num_chunks=None,
     ):
-        init()
-        topology = connect(num_stages, stall_timeout)
-        start_entry_agreement(topology.world)
-        hosts, me = topology.layout.hosts, topology.layout.hosts[topology.world.rank]
-        configure_threads(ranks_on_host=hosts.count(me))
-        try_configure_gpus(local_rank=hosts[: topology.world.rank].count(me), local_size=hosts.count(me))
-        check_all_ranks(topology.world)
+        topology = join_job(num_stages, stall_timeout)
         self.world = topology.world
         self.pipeline = topology.pipeline
         self.replicas = topology.replicas
@@ -91,7 +82,7 @@ class Engine:
         self.num_replicas = self.layout.num_replicas
         if num_microbatches is None:
             num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
-        schedule.check_microbatches(num_microbatches)
+        check_microbatches(num_microbatches)
         schedule.check_name(schedule_name)
         num_chunks = schedule.default_chunks(schedule_name) if num_chunks is None else num_chunks
         schedule.check_chunks(schedule_name, num_chunks)

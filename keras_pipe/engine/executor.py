@@ -4,9 +4,10 @@ The executor takes the stage's list of actions (:mod:`keras_pipe.schedules.sched
 and, for each, receives what the action needs from the other stages
 (:class:`~keras_pipe.engine.links.Links`), runs it (:class:`~keras_pipe.stage.compute.
 StageCompute`) and sends what it produced. It is the only place that knows
-both, and it reports every span to the tracer. After the actions, it ends
-the step (:mod:`keras_pipe.engine.step_end`): weight regularization, the sums over replicas and over the stages
-that hold one weight, the update::
+both, and it reports every span to the tracer. After the actions, the
+:class:`~keras_pipe.engine.step_end.StepEnd` it holds ends the step: weight
+regularization, the sums over replicas and over the stages that hold one
+weight, the update::
 
     # 1F1B with a split backward, 2 stages, 4 micro-batches, activations small beside the weights:
     # stage 0: F0 F1 I0 F2 I1 F3 I2 I3 W0-3 [update]
@@ -40,11 +41,11 @@ import tensorflow as tf
 
 from keras_pipe.engine.batch import Batch, StepResult
 from keras_pipe.engine.chunks import Chunk
-from keras_pipe.engine.step_end import StepEnd, loss_scale
-from keras_pipe.schedules.schedule import Action, Kind
+from keras_pipe.engine.step_end import StepEnd, StepPlan
+from keras_pipe.schedules.actions import Action, Kind
 
 
-class Executor(StepEnd):
+class Executor:
     """Runs a stage's actions for a batch: receive, compute, send, trace.
 
     Args:
@@ -79,17 +80,15 @@ class Executor(StepEnd):
         if len(self.chunks) > 1 and (reducer is not None or tied is not None):
             raise ValueError("several chunks a rank run without replicas or weights shared between stages")
         self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
-        self.reducer = reducer
-        self.tied = tied
-        self.pipeline_sum = pipeline_sum or (lambda values: values)
         self.is_first = any(chunk.is_first for chunk in self.chunks)
         self.is_last = any(chunk.is_last for chunk in self.chunks)
         self.status = status
         self.where = where
         self.tracer = None
         self.step = 0
-        self._last_weights: dict = {}  # chunk -> position of the step's last W action (it may apply the update)
-        self._loss_scale = 1.0  # every gradient of a training step is multiplied by it (mixed_float16)
+        pipeline_sum = pipeline_sum or (lambda values: values)
+        self.step_end = StepEnd(self.chunks, reducer, tied, pipeline_sum, status, where, self._span)
+        self._plan: StepPlan | None = None  # the running step's (its loss scale, which W updates)
         self._handlers = {
             Kind.FORWARD: self._forward,
             Kind.FORWARD_BACKWARD: self._forward_backward,
@@ -108,18 +107,14 @@ class Executor(StepEnd):
             sums=np.zeros(terms),
             divisors=np.zeros(terms),
         )
-        self._loss_scale = loss_scale(batch.optimizer) if batch.phase == "train" else 1.0
-        self._last_weights = {
-            a.chunk: p for p, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT
-        }  # (the last W of each chunk: positions grow)
-        self._fused, self._counting = self._plan_update(batch)
+        plan = self._plan = self.step_end.plan(actions, batch, self.step, traced=self.tracer is not None)
         of_chunk = " of chunk {}" if len(self.chunks) > 1 else ""
         try:
             if batch.phase == "train":
                 for chunk in self.chunks:
                     chunk.compute.begin_step()
             for chunk in self.chunks:
-                self._count_regularization(chunk.compute, batch, result, before_actions=True)
+                self.step_end.count_regularization(chunk.compute, batch, result, plan, before_actions=True)
             self.status.in_step = True
             for position, action in enumerate(actions):
                 self.status.doing = (
@@ -130,7 +125,7 @@ class Executor(StepEnd):
                 self._handlers[action.kind](chunk, action, position, batch, result)
                 if chunk.links is not None:
                     chunk.links.progress()
-            self._end_step(batch, result)
+            self.step_end.finish(batch, result, plan)
             self.status.in_step = False
             if batch.phase == "train":
                 for chunk in self.chunks:
@@ -194,11 +189,12 @@ class Executor(StepEnd):
         i = action.microbatch
         inputs = self._inputs(chunk, batch, i)
         began = time.perf_counter()
-        coefficients = self._coefficients(batch, i) * self._loss_scale
+        scale = self._plan.loss_scale
+        coefficients = self._coefficients(batch, i) * scale
         total, terms, predictions, dx = chunk.compute.forward_backward(
             i, batch.loss, inputs, *self._targets(batch, i), coefficients
         )
-        result.loss_part += float(total) / self._loss_scale
+        result.loss_part += float(total) / scale
         result.terms += np.asarray(terms, np.float64) * batch.shares[i]
         result.predictions[i] = predictions
         self._span("forward+backward", i, began)
@@ -209,30 +205,31 @@ class Executor(StepEnd):
         start, stop = batch.bounds[i]
         began = time.perf_counter()
         if chunk.is_last:  # whole_batch_loss: each term's seed, its weight over the batch's divisor
-            divisors = self._batch_divisors(batch, result)
+            divisors = self.step_end.batch_divisors(batch, result, self.step)
             seeds = np.where(divisors > 0, np.asarray(batch.term_weights) / np.where(divisors > 0, divisors, 1), 0.0)
-            grads = [tf.constant(seeds * self._loss_scale, tf.float32)]
+            grads = [tf.constant(seeds * self._plan.loss_scale, tf.float32)]
         else:
             grads = chunk.links.receive_gradients(stop - start)
         self._span("receive gradient", i, began)
         began = time.perf_counter()
-        dx = chunk.compute.backward(i, grads, (stop - start) / batch.batch_size * self._loss_scale)
+        dx = chunk.compute.backward(i, grads, (stop - start) / batch.batch_size * self._plan.loss_scale)
         self._span("backward", i, began)
         self._send_gradients(chunk, dx, i)
 
     def _weights(self, chunk: Chunk, action, position, batch, result):
         began = time.perf_counter()
+        plan = self._plan
         rows = sum(batch.bounds[i][1] - batch.bounds[i][0] for i in action.microbatches)
-        final = position == self._last_weights.get(action.chunk)
-        fused = final and action.chunk in self._fused
+        final = position == plan.last_weights.get(action.chunk)
+        fused = final and action.chunk in plan.fused
         compute = chunk.compute
         compute.weights(
             action.microbatches,
-            rows / batch.batch_size * self._loss_scale,
+            rows / batch.batch_size * plan.loss_scale,
             regularize=final and batch.regularize,
-            loss_scale=self._loss_scale,
+            loss_scale=plan.loss_scale,
             optimizer=batch.optimizer if fused else None,
-            counts=position == self._counting,
+            counts=position == plan.counting,
         )
         if self.tracer is not None and compute.trainable_variables:
             compute.trainable_variables[0].numpy()  # wait for it, so that the span shows its cost

@@ -12,7 +12,8 @@ holding a micro-batch for its ``W`` costs.
 
 from __future__ import annotations
 
-from keras_pipe.schedules import schedule
+from keras_pipe.schedules import one_chunk, schedule
+from keras_pipe.schedules.actions import Action, Holding, Kind
 
 
 class StageActions:
@@ -64,13 +65,13 @@ class StageActions:
             hold = None
             if phase == "train" and compute.split:
                 if sizes is None:
-                    hold = {self.stage: schedule.Holding(cost=float("inf"))}
+                    hold = {self.stage: Holding(cost=float("inf"))}
                 else:
                     hold = {self.stage: schedule.hold_for(*sizes, num_microbatches)}
             if phase != "train":
-                plan = schedule.forward_only(self.num_stages, num_microbatches)
+                plan = one_chunk.forward_only(self.num_stages, num_microbatches)
             elif whole_batch_loss:
-                plan = schedule.gpipe(self.num_stages, num_microbatches, compute.split, whole_batch_loss=True)
+                plan = one_chunk.gpipe(self.num_stages, num_microbatches, compute.split, whole_batch_loss=True)
             else:
                 name = self.training_schedule()
                 split = compute.split or schedule.needs_split_backward(name)
@@ -117,13 +118,13 @@ def _unsplit(actions: list, chunks=None) -> list:
     ``chunks``: only those chunks' actions (``None``: every action).
     """
     renamed = {
-        schedule.Kind.BACKWARD_INPUT: schedule.Kind.BACKWARD,
-        schedule.Kind.FORWARD_INPUT: schedule.Kind.FORWARD_BACKWARD,
+        Kind.BACKWARD_INPUT: Kind.BACKWARD,
+        Kind.FORWARD_INPUT: Kind.FORWARD_BACKWARD,
     }
     result = []
     for a in actions:
         if chunks is not None and a.chunk not in chunks:
             result.append(a)
-        elif a.kind is not schedule.Kind.BACKWARD_WEIGHT:
-            result.append(schedule.Action(renamed.get(a.kind, a.kind), a.microbatches, a.chunk))
+        elif a.kind is not Kind.BACKWARD_WEIGHT:
+            result.append(Action(renamed.get(a.kind, a.kind), a.microbatches, a.chunk))
     return result

@@ -4,7 +4,7 @@ The executor calls ``tracer.span(name, microbatch, start, end)`` after each
 piece of a step (a forward, a backward, a send, a wait for a receive, the
 optimizer update, ...), with ``time.perf_counter()`` times; ``microbatch`` is
 ``-1`` for work of the whole step. No tracer, no cost: the executor checks
-for ``None`` first. :class:`~keras_pipe.engine.timeline.PipelineTimeline` and the
+for ``None`` first. :class:`~keras_pipe.model.timeline.PipelineTimeline` and the
 benchmarks use :class:`SpanRecorder`.
 
 Example:

@@ -60,8 +60,12 @@ def debug_enabled() -> bool:
     return os.environ.get("KERAS_PIPE_DEBUG", "") not in ("", "0")
 
 
-class Communicator(StallReports):
+class Communicator:
     """The pipeline's view of an MPI communicator.
+
+    Its waits poll, and meanwhile answer other ranks' questions and notice a
+    stalled or dead rank through ``reports``, the
+    :class:`~keras_pipe.mpi.stall.StallReports` of the job's root communicator.
 
     Example:
 
@@ -80,6 +84,7 @@ class Communicator(StallReports):
         # communicators it is waiting on.
         self._parent = parent
         self._shared = PROCESS
+        self.reports = StallReports(self.comm, PROCESS, names_processes=parent is None)
         self._world_spanning = self.size == MPI.COMM_WORLD.Get_size()
         _OPEN.add(self)
         self._world_ranks = None
@@ -302,7 +307,7 @@ class Communicator(StallReports):
         shared = self._shared
         shared.waiting_for = what
         shared.wait_started = start
-        root = self._parent or self
+        reports = (self._parent or self).reports
         next_status_check = start + 0.1
         while True:
             result = poll()
@@ -312,17 +317,17 @@ class Communicator(StallReports):
             now = time.monotonic()
             waited = now - start
             if now > next_status_check:
-                root.answer_status_requests()
+                reports.answer_status_requests()
                 stall.note_failures()
-                dead = root.dead_peers()
+                dead = reports.dead_peers()
                 if dead and not poll():  # (a peer that finished may have sent what we wait for)
-                    root.report_dead_peers(dead, what)
+                    reports.report_dead_peers(dead, what)
                 next_status_check = now + 0.1
             if waited > timeout and not shared.someone_reporting(now):
-                report = root.stall_report()
+                report = reports.stall_report()
                 if report is not None:  # (else a lower rank is reporting, and ends the job)
                     raise PipelineStallError(
-                        f"rank {root.rank} waited {waited:.0f} s for {what} while {self.doing}; the "
+                        f"rank {reports.rank} waited {waited:.0f} s for {what} while {self.doing}; the "
                         + (
                             f"stall timeout is {timeout:g} s (KERAS_PIPE_STALL_TIMEOUT or PipelineModel("
                             "stall_timeout=...))"

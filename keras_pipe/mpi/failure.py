@@ -31,7 +31,6 @@ import numpy as np
 from mpi4py import MPI
 
 from keras_pipe.errors import PipelineStallError
-from keras_pipe.mpi import comm as _comm
 from keras_pipe.mpi import stall as _stall
 from keras_pipe.mpi.agreement import agree_on_entry
 
@@ -106,7 +105,7 @@ def _hear_from_the_others(world, process, mine, digest) -> tuple[bool, bool]:
     deadline = time.monotonic() + _answer_timeout(process)
     outcome = (False, False)
     status = MPI.Status()
-    reporter = _comm.Communicator() if process.peers else None
+    reporter = _stall.StallReports(world, process) if process.peers else None
     while time.monotonic() < deadline:
         _stall.note_failures()
         if world.Iprobe(source=MPI.ANY_SOURCE, tag=_stall.TAG_ALIVE, status=status):

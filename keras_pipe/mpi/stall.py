@@ -87,11 +87,26 @@ def check_stall_timeout(value, name: str = "stall_timeout") -> float:
 
 
 class StallReports:
-    """What a :class:`~keras_pipe.mpi.comm.Communicator` answers and asks when a rank stalls or dies.
+    """What a rank answers and asks, over one communicator, when a rank stalls or dies.
 
-    Needs ``comm``, ``rank``, ``size``, ``doing``, ``_shared`` (:data:`PROCESS`)
-    and ``_parent`` (the world communicator, ``None`` on the world's own).
+    Every :class:`~keras_pipe.mpi.comm.Communicator` holds one (``reports``);
+    its waits use their root's, so that the questions and answers go over
+    the communicator of every rank of the job, whichever one a rank waits on.
+
+    Args:
+        comm: the ``mpi4py`` communicator they travel on.
+        shared: this process's record of what it is doing (:data:`PROCESS`), one
+            for all its communicators.
+        names_processes: whether a silent rank is named with its pid and host
+            (on the job's root communicator, whose ranks ``shared.peers`` lists).
     """
+
+    def __init__(self, comm, shared, names_processes: bool = True):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._shared = shared
+        self._names_processes = names_processes
 
     def _status(self) -> dict:
         shared = self._shared
@@ -143,7 +158,7 @@ class StallReports:
             return
         raise PipelineStallError(
             f"{names} stopped: its process no longer exists (killed by a signal, by the out-of-memory killer, or "
-            f"it exited without keras_pipe noticing). Rank {self.rank} was waiting for {what} while {self.doing}. "
+            f"it exited without keras_pipe noticing). Rank {self.rank} was waiting for {what} while {shared.doing}. "
             "What each rank was doing:\n" + report
         )
 
@@ -197,7 +212,7 @@ class StallReports:
 
     def _where(self, rank: int) -> str:
         peers = self._shared.peers
-        return f"pid {peers[rank][1]} on {peers[rank][0]}: " if peers and self._parent is None else ""
+        return f"pid {peers[rank][1]} on {peers[rank][0]}: " if peers and self._names_processes else ""
 
 
 class _SharedState:

@@ -47,7 +47,7 @@ def connect(num_stages: int | None = None, stall_timeout: float | None = None) -
     timeout = None if _met else min(world.stall_timeout, start_timeout_from_env())
     everyone = world.allgather_json(mine, timeout=timeout) if world.size > 1 else [mine]
     _met = PROCESS.met = True
-    world.set_peers([(host, pid) for host, _, pid in everyone])
+    world.reports.set_peers([(host, pid) for host, _, pid in everyone])
     check_same_num_stages([stages for _, stages, _ in everyone])
     layout = Layout.from_hosts([host for host, _, _ in everyone], num_stages)
     replica, stage = layout.replica_of(world.rank), layout.stage_of(world.rank)

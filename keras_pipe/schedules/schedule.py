@@ -10,7 +10,7 @@ them to ``s + 1``; an action computing an input gradient receives the
 gradient of the stage output from ``s + 1`` (unless ``s`` is last) and sends
 the gradient of the stage input to ``s - 1`` (unless ``s`` is first).
 
-The kinds of action (:class:`Kind`), as in the zero-bubble papers:
+The kinds of action (:class:`~keras_pipe.schedules.actions.Kind`), as in the zero-bubble papers:
 
 - ``F``: the forward of one micro-batch;
 - ``B``: its whole backward, input gradient and weight gradients together;
@@ -44,27 +44,9 @@ from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.schedules import virtual, zero_bubble
-
-# (the vocabulary and the one-chunk schedules, also named here: keras_pipe.schedule documents them all)
-from keras_pipe.schedules.actions import BACKWARD as BACKWARD
-from keras_pipe.schedules.actions import BACKWARD_INPUT as BACKWARD_INPUT
-from keras_pipe.schedules.actions import BACKWARD_WEIGHT as BACKWARD_WEIGHT
-from keras_pipe.schedules.actions import FORWARD as FORWARD
-from keras_pipe.schedules.actions import FORWARD_BACKWARD as FORWARD_BACKWARD
-from keras_pipe.schedules.actions import FORWARD_INPUT as FORWARD_INPUT
-from keras_pipe.schedules.actions import Action as Action
-from keras_pipe.schedules.actions import Holding as Holding
-from keras_pipe.schedules.actions import Kind as Kind
-from keras_pipe.schedules.actions import act as act
-from keras_pipe.schedules.actions import check_count as check_count
-from keras_pipe.schedules.actions import check_microbatches as check_microbatches
-from keras_pipe.schedules.actions import format_actions as format_actions
-from keras_pipe.schedules.actions import max_held as max_held
-from keras_pipe.schedules.actions import max_in_flight as max_in_flight
-from keras_pipe.schedules.one_chunk import forward_only as forward_only
-from keras_pipe.schedules.one_chunk import gpipe as gpipe
-from keras_pipe.schedules.one_chunk import one_f_one_b as one_f_one_b
-from keras_pipe.schedules.zero_bubble import zero_bubble_h1 as zero_bubble_h1
+from keras_pipe.schedules.actions import Action, Holding, check_count
+from keras_pipe.schedules.one_chunk import gpipe, one_f_one_b
+from keras_pipe.schedules.zero_bubble import zero_bubble_h1
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 # Several model chunks a rank (virtual stages; :mod:`keras_pipe.schedules.virtual`): interleaved 1F1B over the

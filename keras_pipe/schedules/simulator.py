@@ -6,7 +6,7 @@ and its inputs have arrived, and raises, showing the stuck actions, where a
 schedule would deadlock or skip a pass. Tested without MPI in
 ``tests/schedules/test_schedule.py``.
 
->>> from keras_pipe.schedules.schedule import one_f_one_b
+>>> from keras_pipe.schedules import one_f_one_b
 >>> makespan(one_f_one_b(2, 4), {FORWARD: 1, BACKWARD: 1, FORWARD_BACKWARD: 2})
 10
 """
@@ -105,7 +105,7 @@ def makespan(schedule: list[list[Action]], durations: dict | None = None, placem
 def bubble(schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None) -> float:
     """The share of the ranks' time they wait, on :func:`simulate`'s clock (from the first start to the last end).
 
-    >>> from keras_pipe.schedules.schedule import one_f_one_b
+    >>> from keras_pipe.schedules import one_f_one_b
     >>> round(bubble(one_f_one_b(2, 4), DURATIONS), 3)  # (P - 1) / (m + P - 1): B takes two ticks, F one
     0.2
     """
@@ -175,7 +175,7 @@ def gantt(schedule: list[list[Action]], durations: dict | None = None, placement
     digits for chunks 2 and up; fused actions show their parts (``FI`` ->
     ``F`` then ``I``), ``.`` is a tick the rank waits.
 
-    >>> from keras_pipe.schedules.schedule import one_f_one_b
+    >>> from keras_pipe.schedules import one_f_one_b
     >>> print(gantt(one_f_one_b(2, 2), {FORWARD: 1, BACKWARD: 2, FORWARD_BACKWARD: 3}))
     rank 0 |FF..BB.BB|
     rank 1 |.FBBFBB..|

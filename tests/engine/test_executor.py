@@ -6,7 +6,7 @@ import pytest
 from keras_pipe.engine.batch import Batch
 from keras_pipe.engine.executor import Executor
 from keras_pipe.engine.step_end import clip_scale, whole_model_scale
-from keras_pipe.schedules.schedule import gpipe, make_schedule
+from keras_pipe.schedules import gpipe, make_schedule
 
 
 class FakeGradients:

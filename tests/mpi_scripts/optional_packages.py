@@ -19,8 +19,10 @@ if mode == "tensorboard":
 import keras  # noqa: E402
 from common import RANK, compile_args, data, layers  # noqa: E402
 
-from keras_pipe import PipelineModel  # noqa: E402
-from keras_pipe.engine.timeline import PipelineTimeline  # noqa: E402
+from keras_pipe import (
+    PipelineModel,  # noqa: E402
+    PipelineTimeline,  # noqa: E402
+)
 
 x, y, _ = data(n=64)
 if mode == "tensorboard":

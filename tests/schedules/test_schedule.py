@@ -3,7 +3,7 @@
 import pytest
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedules.schedule import (
+from keras_pipe.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -241,7 +241,8 @@ def test_unknown_schedule():
 def test_the_docstring_examples():
     import doctest
 
+    import keras_pipe.schedules
     from keras_pipe.schedules import actions, one_chunk, schedule, simulator
 
-    for module in (actions, one_chunk, schedule, simulator):
+    for module in (keras_pipe.schedules, actions, one_chunk, schedule, simulator):
         assert doctest.testmod(module).failed == 0, module.__name__

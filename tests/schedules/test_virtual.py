@@ -5,7 +5,7 @@ import random
 import pytest
 
 from keras_pipe.errors import PipelineConfigError
-from keras_pipe.schedules.schedule import (
+from keras_pipe.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
