@@ -21,11 +21,12 @@ def test_keras_hub_models_equal_the_unsplit_model(nprocs):
     # test_saving.py, resumed there, equal to an uninterrupted run); two ranks also: the encoder and BERT
     # with two chunks a rank (ZB-V, interleaved 1F1B)
     # with AdamW, the forms of sparse gradients (issue 39): ViT (fixed position ids) and T5 (encoder-decoder) on
-    # two ranks, Llama (rotary, untied embeddings) and Mixtral (mixture of experts) on four
+    # two ranks, Llama (rotary, untied embeddings) and Mixtral (mixture of experts) on four; Llama and GPT-2 under
+    # ZB-V and interleaved 1F1B (the embedding on the first and the last virtual stage) on two and four
     cases = {
         1: ["encoder", "decoder"],
-        2: ["bert", "chunked", "vit", "t5"],
-        4: ["encoder", "decoder", "gpt2", "llama", "mixtral"],
+        2: ["bert", "chunked", "vit", "t5", "shared_chunks"],
+        4: ["encoder", "decoder", "gpt2", "llama", "mixtral", "shared_chunks"],
     }[nprocs]
     launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
     assert launch.returncode == 0, launch.output

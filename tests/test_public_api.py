@@ -45,4 +45,3 @@ def test_the_package_init_is_start_up_imports_and_all():
             assert isinstance(node, (ast.Import, ast.ImportFrom)), ast.dump(node)
     assert calls == ["_start_process", "_install_moved_paths"]
     assert isinstance(tree.body[2], ast.Expr) and tree.body[2].value.func.id == "_start_process"  # (first)
-

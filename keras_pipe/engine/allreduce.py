@@ -174,24 +174,36 @@ class TiedReducer:
         return counted
 
     @classmethod
-    def create(cls, pipeline, cut, stage: int, model_graph) -> TiedReducer | None:
-        """One communicator per set of stages sharing weights (collective over ``pipeline``).
+    def create(cls, pipeline, cut, rank: int, model_graph, ranks_of: list[int] | None = None) -> TiedReducer | None:
+        """One communicator per set of ranks sharing weights (collective over ``pipeline``).
 
-        ``None`` where this stage shares no weight.
+        ``cut.shared``: each shared unit's (virtual) stages; ``ranks_of``: each
+        virtual stage's rank (``None``: one stage a rank). A unit whose stages
+        are all on this rank (two chunks of it) is summed there
+        (:mod:`keras_pipe.engine.merged`), not here. ``None`` where this rank
+        shares no weight with another.
         """
         from mpi4py import MPI
 
         from keras_pipe.mpi.comm import Communicator, created
 
-        by_stages: dict[tuple, list[str]] = {}
+        ranks_of = ranks_of or list(range(len(cut.stages)))
+        by_ranks: dict[tuple, list[str]] = {}
+        first_stage: dict[tuple, dict[int, int]] = {}
         for unit, stages in sorted(cut.shared.items()):
-            by_stages.setdefault(tuple(stages), []).append(unit)
+            ranks = tuple(sorted({ranks_of[k] for k in stages}))
+            if len(ranks) > 1:
+                by_ranks.setdefault(ranks, []).append(unit)
+                firsts = first_stage.setdefault(ranks, {})
+                for k in stages:
+                    firsts[ranks_of[k]] = min(firsts.get(ranks_of[k], k), k)
         groups = []
-        for stages, units in sorted(by_stages.items()):
-            member = stage in stages
+        for ranks, units in sorted(by_ranks.items()):
+            member = rank in ranks
             comm = None
             if pipeline.size > 1:
-                split = pipeline.comm.Split(0 if member else MPI.UNDEFINED, stage)
+                # (ordered by each rank's first virtual stage holding the units: their slices join in that order)
+                split = pipeline.comm.Split(0 if member else MPI.UNDEFINED, first_stage[ranks].get(rank, 0))
                 if member:
                     comm = Communicator(created(split), pipeline.stall_timeout, parent=pipeline._parent or pipeline)
             if not member:
@@ -199,7 +211,8 @@ class TiedReducer:
             # (each variable once: the units held together share some)
             weights = list({id(v): v for unit in units for v in model_graph.units[unit].weights}.values())
             if comm is not None:
-                groups.append((comm, weights, stage == min(stages)))
+                first = min(first_stage[ranks].values())
+                groups.append((comm, weights, first_stage[ranks][rank] == first))
         if not groups:
             return None
         return cls(groups)

@@ -220,8 +220,6 @@ class Engine:
 
     def _finish_build(self, model_graph, the_cut, sizes, release: bool) -> list:
         """This rank's chunks of ``the_cut``: their weights allocated, computes, links and the executor."""
-        if self.num_chunks > 1:
-            self._check_chunked(the_cut)
         self.graph, self.cut, self.balance = model_graph, the_cut, list(sizes)
         self._built_counts = self._weight_counts()
         own = [model_graph.units[unit] for unit in self.stage_units()]
@@ -230,9 +228,7 @@ class Engine:
         self.chunks = [self._chunk(k) for k in self.placement[self.stage]]
         self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
-        tied = None
-        if self.num_chunks == 1:
-            tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph)
+        tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph, self.virtual_ranks)
         pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
         self.executor = Executor(
             self.compute,
@@ -270,21 +266,6 @@ class Engine:
         elif self.num_stages > 1:
             links = Links(self.pipeline, stage, plain.tensors)
         return Chunk(compute, links, k == 0, k == last)
-
-    def _check_chunked(self, the_cut) -> None:
-        """What several chunks a rank do not run yet: raised on every rank, with what to do instead."""
-        what = f"schedule={self.schedule!r} with {self.num_chunks} chunks a rank"
-        if self.num_replicas > 1:
-            raise PipelineConfigError(
-                f"{what} runs one pipeline, not {self.num_replicas} replicas: use a one-chunk schedule "
-                "('1f1b', 'gpipe', 'zb-h1') with replicas, or num_stages=None."
-            )
-        if the_cut.shared:
-            names = sorted(the_cut.shared)
-            raise PipelineConfigError(
-                f"{what}: the layers {names} are called on several virtual stages (shared weights), which "
-                "several chunks a rank do not sum yet; use a one-chunk schedule ('1f1b', 'gpipe', 'zb-h1')."
-            )
 
     def reset(self) -> None:
         """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""

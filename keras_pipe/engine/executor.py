@@ -77,8 +77,6 @@ class Executor:
         chunks: list | None = None,
     ):
         self.chunks = list(chunks) if chunks else [Chunk(compute, links, is_first, is_last)]
-        if len(self.chunks) > 1 and (reducer is not None or tied is not None):
-            raise ValueError("several chunks a rank run without replicas or weights shared between stages")
         self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
         self.is_first = any(chunk.is_first for chunk in self.chunks)
         self.is_last = any(chunk.is_last for chunk in self.chunks)

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe.engine.batch import Batch, StepResult
+from keras_pipe.engine.merged import MergedChunks
 from keras_pipe.schedules.actions import Action, Kind
 from keras_pipe.stage.update import apply_together, count_step, separable
 
@@ -92,8 +93,8 @@ class StepEnd:
             return set(), None
         if len(self.chunks) == 1:
             return {0} if 0 in last_weights else set(), last_weights.get(0)
-        if not separable(batch.optimizer):
-            return set(), None
+        if not separable(batch.optimizer) or MergedChunks([chunk.compute for chunk in self.chunks]).shared:
+            return set(), None  # (a weight two chunks hold takes one update, of both chunks' gradients)
         weighted = [c for c, chunk in enumerate(self.chunks) if chunk.compute.trainable_variables]
         fused = {c for c in weighted if c in last_weights and self.chunks[c].compute.gradients.empty}
         if not fused or len(fused) < len(weighted):
@@ -156,23 +157,42 @@ class StepEnd:
         self._span("optimizer", -1, began)
 
     def _update_chunks(self, batch: Batch, plan: StepPlan) -> None:
-        """Several chunks: one optimizer step over every chunk's summed gradients (the whole model's norm first)."""
+        """Several chunks: one optimizer step over the rank's weights, each once (:mod:`keras_pipe.engine.merged`).
+
+        A weight two chunks hold gets both chunks' gradients; the list is
+        summed over replicas and over the other ranks holding a weight, as one
+        chunk's is, and the whole model's norm taken from it.
+        """
         computes = [chunk.compute for c, chunk in enumerate(self.chunks) if c not in plan.fused]
         if plan.fused and plan.counting is not None:
             return  # every chunk's last W updated its weights, and one counted the step
-        grads = [compute.gradients.result() if compute.trainable_variables else [] for compute in computes]
+        merged = MergedChunks(computes)
+        variables, grads = merged.variables, merged.gradients()
+        step = plan.step
+        if self.reducer is not None:
+            self.status.doing = f"train step {step}, {self.where}: summing gradients over replicas"
+            began = time.perf_counter()
+            grads = self.reducer.sum(grads, merged.computed, merged.sparse_forms(grads), variables)
+            self._span("allreduce", -1, began)
+        if self.tied is not None:
+            self.status.doing = f"train step {step}, {self.where}: summing the gradients of shared weights"
+            began = time.perf_counter()
+            grads = self.tied.sum(grads, variables)
+            self._span("allreduce", -1, began)
         scale = None
         if needs_whole_model(batch):
-            self.status.doing = f"train step {plan.step}, {self.where}: the whole model's gradient norm"
-            squares = sum(compute.squared_norm(g) for compute, g in zip(computes, grads) if g)
+            self.status.doing = f"train step {step}, {self.where}: the whole model's gradient norm"
+            counted = self.tied.counted(variables) if self.tied is not None else None
+            squares = computes[0].squared_norm(grads, counted) if variables else 0.0
             squares = self.pipeline_sum(np.array([squares], np.float64))[0]
             scale = whole_model_scale(batch.optimizer, squares, plan.loss_scale)
-        self.status.doing = f"train step {plan.step}, {self.where}: optimizer update"
+        self.status.doing = f"train step {step}, {self.where}: optimizer update"
         began = time.perf_counter()
-        if not any(grads):
+        if all(g is None for g in grads):
             count_step(batch.optimizer, scale is None or bool(np.isfinite(scale)))
+            merged.reset()
         else:
-            apply_together(computes, batch.optimizer, grads, scale)
+            apply_together(computes, batch.optimizer, grads, scale, variables)  # (which resets the sums)
         self._span("optimizer", -1, began)
 
     def count_regularization(

@@ -97,8 +97,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             chunks a rank in a V, zero-bubble, 1F1B's memory); see
             :mod:`keras_pipe.schedules.virtual`. The model is then cut into
             ``num_stages * num_chunks`` virtual stages (``balance`` lists that
-            many sizes). Not yet with replicas or a weight shared between
-            virtual stages (both raise).
+            many sizes). With replicas too, and with a layer called on several
+            virtual stages (a weight two chunks hold takes one update).
         num_chunks: model chunks (virtual stages) a rank holds: ``None``
             (default) means two for ``"interleaved-1f1b"`` and ``"zb-v"``, one
             for the others.

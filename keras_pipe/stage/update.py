@@ -198,16 +198,19 @@ class StageUpdate:
         return float(self._program("squared_norm", squares)(*grads))
 
 
-def apply_together(computes: list, optimizer, grads: list, scale: float | None = None) -> None:
+def apply_together(computes: list, optimizer, grads: list, scale: float | None = None, variables=None) -> None:
     """One optimizer step over the weights of several stage computes (a rank's chunks), in one program.
 
     ``grads[k]``: the summed gradients of ``computes[k]``'s trainable
-    variables. One ``apply`` counts one step (``iterations``, a loss scale's
-    counter), as the unsplit model's does; ``scale`` multiplies every
-    gradient first.
+    variables; or, with ``variables`` (each of the computes' weights once,
+    where chunks share some), one gradient a variable. One ``apply`` counts
+    one step (``iterations``, a loss scale's counter), as the unsplit model's
+    does; ``scale`` multiplies every gradient first.
     """
-    variables = [v for compute in computes for v in compute.trainable_variables]
-    _apply(computes[0], "apply_chunks", optimizer, variables, [g for part in grads for g in part], scale)
+    if variables is None:
+        variables = [v for compute in computes for v in compute.trainable_variables]
+        grads = [g for part in grads for g in part]
+    _apply(computes[0], "apply_chunks", optimizer, variables, list(grads), scale)
     for compute in computes:
         compute.gradients.reset()
 

@@ -5,7 +5,8 @@ from rank 1 to itself, interleaving's from rank 1 back to rank 0) trains
 interleaved 1F1B with 2 and 3 chunks and ZB-V as keras.Sequential does,
 with ``global_clipnorm``, Keras masks and a whole-batch loss, saves, loads
 and refuses what chunks do not run yet. ``test_equivalence.py`` trains
-both schedules on 4 ranks too.
+both schedules on 4 ranks too; four ranks here train two replicas of a
+two-rank pipeline with two chunks a rank.
 """
 
 import keras
@@ -91,7 +92,9 @@ def _run_two_chunks(optimizer, fusable: bool):
     import keras_pipe.engine.step_end as step_end_module
 
     original = step_end_module.apply_together
-    step_end_module.apply_together = lambda computes, optimizer, grads, scale: updates.append(len(computes))
+    step_end_module.apply_together = lambda computes, optimizer, grads, scale, variables=None: updates.append(
+        len(computes)
+    )
     try:
         executor.run(make_schedule("zb-v", 1, m, num_chunks=2)[0], batch)
     finally:
@@ -119,9 +122,10 @@ def test_each_chunks_last_weight_pass_updates_its_weights_and_one_counts_the_ste
     assert logs[0][-1] == logs[1][-1] == "W1" and updates == [2]
 
 
-@pytest.mark.parametrize("nprocs", [2])
+@pytest.mark.parametrize("nprocs", [2, 4])
 def test_chunked_schedules_equal_sequential_under_mpirun(nprocs):
-    cases = ["equivalence", "features", "saving", "errors"]
+    # (four ranks: two replicas of a two-rank pipeline with two chunks a rank)
+    cases = ["equivalence", "features", "saving", "errors"] if nprocs == 2 else ["replicas"]
     launch = run_mpi(nprocs, "chunks.py", *cases, timeout=900)
     assert launch.returncode == 0, launch.output
     for case in cases:

@@ -20,7 +20,7 @@ class FakeCompute:
     def __init__(self, log, split):
         self.log = log
         self.split = split
-        self.trainable_variables = ["w"]
+        self.trainable_variables = [object()]  # (a weight of its own: two fakes share none)
         self.has_weight_regularizers = False
         self.gradients = FakeGradients()
 

@@ -186,17 +186,28 @@ def errors():
         assert f"there are {2 * SIZE} virtual stages: balance lists {2 * SIZE} sizes" in str(error), str(error)
     else:
         raise AssertionError("a balance of one size a rank built with two chunks a rank")
-    if SIZE % 2 == 0:
-        model = PipelineModel(split_layers(), schedule="zb-v", num_stages=SIZE // 2, num_microbatches=2)
-        try:
-            model.build((None, 12))
-        except PipelineConfigError as error:
-            assert "replicas" in str(error), str(error)
-        else:
-            raise AssertionError("chunks with replicas built")
 
 
-CASES = {"equivalence": equivalence, "features": features, "saving": saving, "errors": errors}
+def replicas():
+    """Virtual stages with replicas (issue 49): two pipelines of SIZE / 2 ranks, each with two chunks a rank;
+    every replica's gradients of every chunk summed before the one update, with Adam and global_clipnorm."""
+
+    def clipped():
+        return {**compile_args(), "optimizer": keras.optimizers.Adam(1e-2, global_clipnorm=1.0)}
+
+    for compiled in (compile_args, clipped):
+        initial, expected = reference(split_layers, compiled(), TRAIN)
+        for schedule, m in (("zb-v", 4), ("interleaved-1f1b", SIZE)):
+            model = PipelineModel(split_layers(), num_microbatches=m, schedule=schedule, num_stages=SIZE // 2)
+            model.set_weights(initial)
+            model.compile(**compiled())
+            history = model.fit(x, y, sample_weight=sw, **fit_args).history
+            what = f"P={SIZE // 2} x 2 replicas {schedule} {compiled.__name__}"
+            assert model.num_replicas == 2 and len(model.engine.chunks) == 2, what
+            equal(what, model, history, expected)
+
+
+CASES = {"equivalence": equivalence, "features": features, "saving": saving, "errors": errors, "replicas": replicas}
 for name in sys.argv[1:] or list(CASES):
     CASES[name]()
     print(f"CHUNKS OK {name} rank {RANK}", flush=True)

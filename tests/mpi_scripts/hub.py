@@ -134,7 +134,7 @@ def decoder(case):
     compare(case, make, lm, tokens, targets, num_microbatches=4)
 
 
-def gpt2(case):
+def gpt2(case, **pipeline_args):
     def make():
         backbone = keras_hub.models.GPT2Backbone(
             vocabulary_size=VOCAB,
@@ -158,7 +158,7 @@ def gpt2(case):
     x = {"token_ids": tokens, "padding_mask": padding}
     targets = shifted(tokens)
     weights = np.concatenate([padding[:, 1:], np.zeros((48, 1), "int32")], axis=1).astype("float32")
-    model = compare(case, make, lm, x, targets, sample_weight=weights, num_microbatches=4)
+    model = compare(case, make, lm, x, targets, sample_weight=weights, **{"num_microbatches": 4, **pipeline_args})
     if SIZE > 1:
         assert "token_embedding" in model.engine.cut.shared, model.engine.cut.shared  # tied: first and last stage
 
@@ -237,7 +237,7 @@ def adamw_lm(epsilon=1e-7):
     )
 
 
-def llama(case):
+def llama(case, **pipeline_args):
     """A rotary-embedding decoder with untied embeddings: its token embedding (a ``ReversibleEmbedding``) looks up
     on the first stage and, as ``reverse_embeddings``, is the last stage's head."""
 
@@ -254,7 +254,21 @@ def llama(case):
 
     padding = (tokens != 0).astype("int32")
     x = {"token_ids": tokens, "padding_mask": padding}
-    compare(case, make, adamw_lm, x, shifted(tokens), tolerance=(5e-5, 1e-5), num_microbatches=4)
+    compare(
+        case, make, adamw_lm, x, shifted(tokens), tolerance=(5e-5, 1e-5), **{"num_microbatches": 4, **pipeline_args}
+    )
+
+
+def shared_chunks(case):
+    """The bubble-closing schedules on language models (issue 49): the token embedding called on the first and the
+    last virtual stage. Under ZB-V both are chunks of rank 0 (one weight, two chunks: summed on the rank); under
+    interleaved 1F1B they are on the first and the last rank (summed over the ranks). Llama's untied embedding
+    (two weights of one layer) and GPT-2's tied one (one weight, looked up and projected with), with AdamW and
+    Adam: each weight's gradient reaches the optimizer in the form Keras' step gives it."""
+    # (two ranks and four split the four runs between them: each schedule and each embedding on some rank count)
+    runs = [(llama, "zb-v"), (gpt2, "interleaved-1f1b")] if SIZE <= 2 else [(llama, "interleaved-1f1b"), (gpt2, "zb-v")]
+    for make, schedule in runs:
+        make(f"{case} {make.__name__} {schedule}", schedule=schedule)
 
 
 def mixtral(case):
@@ -343,6 +357,7 @@ CASES = {
     "gpt2": gpt2,
     "bert": bert,
     "chunked": chunked,
+    "shared_chunks": shared_chunks,
     "llama": llama,
     "mixtral": mixtral,
     "vit": vit,
