@@ -19,7 +19,14 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
 - ``balanced-b64``, ``balanced-b256``: 1024 -> 8 x Dense(1024) -> 10, which
   two ranks split into two equal stages (the chain torch's pipelining was
   measured on in the issues), with m = 2 (as many micro-batches as ranks:
-  the thickest) beside m = 4 and 8.
+  the thickest) beside m = 4 and 8;
+- ``llama-b16``: keras_hub's ``LlamaCausalLM`` from constructor arguments
+  (vocabulary 8000, 4 layers, hidden 512, 128 tokens a sequence), batch 16
+  sequences, figures in sequences per second; its "Sequential" rows are the
+  unsplit keras_hub model (XLA on and off, all cores and one), its pipeline
+  is made inside ``keras_pipe.unallocated()``. Its untied token embedding is
+  called on the first and the last virtual stage under ZB-V and interleaved
+  1F1B.
 
 ``--torch-python PATH`` adds torch's pipelining of the balanced chain, the
 same split on the same two ranks (``torch_pipelining.py``, run by that
@@ -59,6 +66,9 @@ WORKLOADS = {
     # the balanced chain of the issues (two equal stages on two ranks), beside torch's pipelining of it
     "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32, microbatches=(2, 4, 8)),
     "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12, microbatches=(2, 4)),
+    # a language model (keras_hub's LlamaCausalLM from constructor arguments): untied embeddings on the first and
+    # the last virtual stage, which ZB-V and interleaved 1F1B sum across chunks (issue 49)
+    "llama-b16": dict(lm=True, vocab=8000, length=128, layers=4, hidden=512, batch=16, steps=6, microbatches=(2, 4)),
 }
 SCHEDULES = ("1f1b", "gpipe", "zb-h1", "auto", "interleaved-1f1b", "zb-v")  # (the last two: two chunks a rank)
 # The models of benchmarks/scaling.py and step_spans.py (batch 64, 24 steps per epoch).
@@ -105,27 +115,13 @@ def worker(args):
     spec = WORKLOADS[args.workload]
     keras.utils.set_random_seed(0)
     n = spec["batch"] * spec["steps"]
-    x, y = make_data(n, spec["features"])
-    layers = build_layers(spec["width"], spec["depth"], spec["features"])
-    if args.kind == "sequential" and args.autotune == "off":
-        from keras_pipe.model.datasets import DatasetStrategy
-
-        class Untuned(keras.Sequential):
-            @property
-            def distribute_strategy(self):
-                return DatasetStrategy(super().distribute_strategy)
-
-        model = Untuned(layers)
-    elif args.kind == "sequential":
-        model = keras.Sequential(layers)
+    if spec.get("lm"):
+        model, x, y, loss = language_model(spec, args, n)
     else:
-        from keras_pipe import PipelineModel
-
-        model = PipelineModel(
-            layers, num_microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute
-        )
+        x, y = make_data(n, spec["features"])
+        model, loss = chain_model(spec, args), "sparse_categorical_crossentropy"
     metrics = ["accuracy"] if spec.get("metric") else None
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=metrics, jit_compile=args.jit)
+    model.compile(optimizer="adam", loss=loss, metrics=metrics, jit_compile=args.jit)
 
     class Timer(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -142,6 +138,60 @@ def worker(args):
         result["picked"] = model.engine.picker.describe()  # what schedule="auto" trains with, and why
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
+
+
+def chain_model(spec: dict, args):
+    """A chain workload's model: ``Sequential`` (tf.data's autotuning off unless asked) or ``PipelineModel``."""
+    import keras
+
+    layers = build_layers(spec["width"], spec["depth"], spec["features"])
+    if args.kind == "sequential" and args.autotune == "off":
+        from keras_pipe.model.datasets import DatasetStrategy
+
+        class Untuned(keras.Sequential):
+            @property
+            def distribute_strategy(self):
+                return DatasetStrategy(super().distribute_strategy)
+
+        return Untuned(layers)
+    if args.kind == "sequential":
+        return keras.Sequential(layers)
+    from keras_pipe import PipelineModel
+
+    return PipelineModel(layers, num_microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute)
+
+
+def language_model(spec: dict, args, n: int):
+    """The ``lm`` workload: ``(model, x, y, loss)``, a ``LlamaCausalLM`` unsplit or pipelined, on random tokens."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    def make():
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=spec["vocab"],
+            num_layers=spec["layers"],
+            num_query_heads=8,
+            num_key_value_heads=8,
+            hidden_dim=spec["hidden"],
+            intermediate_dim=2 * spec["hidden"],
+        )
+        return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+    tokens = np.random.default_rng(0).integers(1, spec["vocab"], size=(n, spec["length"])).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    y = np.concatenate([tokens[:, 1:], np.zeros((n, 1), "int32")], axis=1)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if args.kind == "sequential":
+        return make(), x, y, loss
+    from keras_pipe import PipelineModel, unallocated
+
+    with unallocated():
+        lm = make()
+    model = PipelineModel.from_model(
+        lm, num_microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute
+    )
+    return model, x, y, loss
 
 
 def launch_script(script: Path, ranks, *worker_args, env=None, python=None) -> dict:
