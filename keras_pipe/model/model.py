@@ -259,6 +259,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
         arguments.update(arguments.pop("kwargs", {}))
         jit = arguments.pop("jit_compile", "auto")
+        compile_checks.check_no_strategy(self)
         compile_checks.check_arguments(dict(arguments, jit_compile=jit))
         arguments.pop("self")
         super().compile(**arguments, jit_compile=False)  # keras_pipe compiles its own programs
