@@ -73,6 +73,19 @@ def compiled_metrics(model):
     return model._compile_metrics
 
 
+def metric_containers() -> tuple:
+    """Keras' containers of compiled metrics, ``(CompileMetrics, MetricsList)`` (``trainers.compile_utils``, 3.0-3.15).
+
+    Why: a ``MonitorCallback`` with ``mode="auto"`` looks its metric's
+    direction up among the members of these, in ``model.metrics``; a rank
+    without the last stage answers it with the last stage's names and
+    directions (``engine/logs.py``).
+    """
+    from keras.src.trainers.compile_utils import CompileMetrics, MetricsList
+
+    return CompileMetrics, MetricsList
+
+
 def loss_tracker(model):
     """The ``Mean`` behind the logged ``loss`` (``Trainer._loss_tracker``, Keras 3.0-3.15)."""
     return model._loss_tracker

@@ -13,10 +13,10 @@ ReduceLROnPlateau sets the same learning rate). What must differ:
   the embeddings' ``save_weights``, at the TensorBoard's place in the list;
   rank 0 writes;
 - a monitoring callback (``EarlyStopping``, ``ModelCheckpoint``,
-  ``ReduceLROnPlateau``, any ``MonitorCallback``) with ``mode="auto"`` learns
-  whether its metric goes up or down from the rank that holds the compiled
-  metrics (the last stage), which tells every other rank, or every rank
-  raises Keras' error;
+  ``ReduceLROnPlateau``, any ``MonitorCallback``) with ``mode="auto"`` asks
+  ``model.metrics`` whether its metric goes up or down: every rank answers
+  as the last stage, which holds the compiled metrics (``engine/logs.py``),
+  so every rank decides alike, or raises Keras' error alike;
 - ``ModelCheckpoint`` runs everywhere, as ``model.save``/``save_weights`` are
   collective and rank 0 writes;
 - ``BackupAndRestore`` decides on rank 0 whether a backup exists and tells the
@@ -95,50 +95,25 @@ def adapt_callbacks(callbacks, comm: Communicator):
             continue
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             _make_collective(callback, comm)
-        if hasattr(callback, "_set_monitor_op") and hasattr(callback, "monitor"):  # (Keras' MonitorCallback, 3.10+)
-            _share_monitor_direction(callback, comm)
         kept.append(callback)
+    if any(isinstance(c, _WRITERS) or getattr(c, _WRITER_ONLY, False) for c in callbacks):
+        kept.append(_WritersDone(comm))
     return kept
 
 
-def _share_monitor_direction(callback, comm: Communicator) -> None:
-    """``mode="auto"``: the direction of the monitored metric, from the rank that holds the compiled metrics.
+class _WritersDone(keras.callbacks.Callback):
+    """Last in the list, on every rank: ``fit()`` returns once rank 0's writers have closed their files.
 
-    Keras looks the metric up in ``model.metrics`` (its ``_direction``); a
-    rank without the last stage has no compiled metrics to look in. The
-    rank that has them answers (or fails, with Keras' error) for all.
+    So that a rank reading a ``CSVLogger``'s file or a ``TensorBoard``'s
+    events after ``fit()`` (on a shared filesystem) finds them complete.
     """
-    if getattr(callback, "_keras_pipe_shared_direction", False):
-        return
-    callback._keras_pipe_shared_direction = True
-    original = callback._set_monitor_op
 
-    def set_monitor_op():
-        engine = getattr(callback.model, "engine", None)
-        if (
-            callback.mode != "auto"
-            or engine is None
-            or comm.size == 1
-            or callback.monitor.removeprefix("val_") == "loss"
-        ):
-            return original()
-        source = engine.logs.source
-        answer = [None, None]  # (direction, error)
-        if comm.rank == source:
-            try:
-                original()
-                answer[0] = "up" if callback.monitor_op is keras.ops.greater else "down"
-            except ValueError as error:
-                answer[1] = str(error)
-        direction, error = comm.bcast_json(answer, root=source)
-        if error is not None:
-            raise ValueError(error)
-        if comm.rank != source:
-            callback.monitor_op = keras.ops.greater if direction == "up" else keras.ops.less
-            if direction == "down":
-                callback.min_delta *= -1  # (as Keras' _set_monitor_op does for a metric to minimize)
+    def __init__(self, comm: Communicator):
+        super().__init__()
+        self.comm = comm
 
-    callback._set_monitor_op = set_monitor_op
+    def on_train_end(self, logs=None):
+        self.comm.barrier()
 
 
 class _TensorBoardWeights(keras.callbacks.Callback):

@@ -372,6 +372,18 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             return dict(self._pipeline_logs)
         return super().get_metrics_result()
 
+    @property
+    def metrics(self) -> list:
+        """As ``keras.Model.metrics``; on a rank without the last stage, the compiled metrics' names and directions.
+
+        What a monitoring callback with ``mode="auto"`` asks (does
+        ``val_accuracy`` go up?): every rank answers as the last stage,
+        which holds the compiled metrics, once the first step has shared them.
+        """
+        metrics = super().metrics
+        logs = self.__dict__.get("_logs")  # (None while keras.Model.__init__ runs)
+        return metrics if logs is None else logs.answered(metrics)
+
     def reset_metrics(self) -> None:
         super().reset_metrics()
         self._logs.reset()

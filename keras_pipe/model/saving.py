@@ -188,7 +188,9 @@ def of_layers(model) -> keras.Model:
     """
     if model._pipeline_layers:
         shape, dtype = model._pipeline_input
-        whole = keras.Sequential([keras.Input(batch_shape=shape, dtype=dtype), *model._pipeline_layers], name=model.name)
+        whole = keras.Sequential(
+            [keras.Input(batch_shape=shape, dtype=dtype), *model._pipeline_layers], name=model.name
+        )
     else:
         source = model._source
         whole = keras.Model(source.inputs, source.outputs, name=source.name)
