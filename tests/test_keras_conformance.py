@@ -29,6 +29,9 @@ KERAS_SRC = Path(keras.__file__).parent / "src"
 KERAS_TESTS = {  # one launch each
     "sequential": [KERAS_SRC / "models" / "sequential_test.py", KERAS_SRC / "trainers" / "trainer_test.py"],
     "functional": [KERAS_SRC / "models" / "functional_test.py", KERAS_SRC / "models" / "model_test.py"],
+    "callbacks": sorted(
+        path for path in (KERAS_SRC / "callbacks").glob("*_test.py") if path.name != "orbax_checkpoint_test.py"
+    ),
 }
 # Tests that must pass, at least: (of 148 and 58 Sequential and trainer tests; of 114 and 79 Functional and model
 # tests, most of the others listed "FIXING:" in keras_conformance_expected.txt, for now)
