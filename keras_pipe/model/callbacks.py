@@ -208,7 +208,18 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
                     f"{paths['prev_weights_path']}",
                     stacklevel=2,
                 )
-            restore(paths["prev_weights_path"], paths["prev_training_metadata_path"])
+
+            def put_back():
+                # (as Keras does: the previous backup becomes the latest, then is read under the latest's name, which
+                # load_weights takes: a .bkp path is not a weights file's name to it)
+                copy(paths["prev_weights_path"], paths["weights_path"])
+                if files.exists(paths["prev_training_metadata_path"]):
+                    copy(paths["prev_training_metadata_path"], paths["training_metadata_path"])
+                elif files.exists(paths["training_metadata_path"]):
+                    files.remove(paths["training_metadata_path"])
+
+            on_root(comm, put_back, "put the previous backup back")
+            restore(paths["weights_path"], paths["training_metadata_path"])
 
     def save_model():
         paths = compat.backup_paths(callback)
