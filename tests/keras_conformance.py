@@ -243,8 +243,9 @@ def _substitute_in_callback_tests() -> None:
         if hasattr(module, "models"):
             module.models = _KerasNames(module.models, {"Model": Model})
         if SIZE > 1 and module_name in SHARED_FILES_TESTS:
-            module.tempfile = _SharedFiles(module.tempfile)
-            module.os = _SharedFiles(module.os)
+            for name in ("tempfile", "os"):
+                if hasattr(module, name):
+                    setattr(module, name, _SharedFiles(getattr(module, name)))
 
 
 class _SharedFiles(types.ModuleType):
@@ -290,7 +291,9 @@ class _SharedTemporaryDirectory:
             shutil.rmtree(self.name, ignore_errors=True)
 
 
-SHARED_FILES_TESTS = ("keras.src.callbacks.csv_logger_test", "keras.src.callbacks.swap_ema_weights_test")
+SHARED_FILES_TESTS = tuple(
+    f"keras.src.callbacks.{name}_test" for name in ("csv_logger", "swap_ema_weights", "model_checkpoint")
+)
 
 
 def _keras_conftest() -> None:
