@@ -2,9 +2,10 @@
 
 Keras ships its tests in its wheel. With this plugin, pytest runs
 ``keras/src/models/sequential_test.py``, ``functional_test.py``,
-``model_test.py`` and the tests of ``keras/src/trainers/trainer_test.py``
-whose model is a ``Sequential`` or one of that file's module-level models,
-with ``PipelineModel`` in their place: nothing of Keras' is copied, the names
+``model_test.py``, the callback tests ``keras/src/callbacks/*_test.py`` (but
+``orbax_checkpoint_test.py``) and the tests of
+``keras/src/trainers/trainer_test.py`` whose model is a ``Sequential`` or one
+of that file's module-level models, with ``PipelineModel`` in their place: nothing of Keras' is copied, the names
 the test modules look up are substituted once they are imported.
 
 - ``Sequential`` becomes a ``PipelineModel`` with ``Sequential``'s
@@ -20,6 +21,11 @@ the test modules look up are substituted once they are imported.
   ``PipelineModel.from_model``'s to trace, not this substitution's), and
   ``isinstance`` answers as with Keras' classes. A graph with fewer nodes
   than ranks leaves the last ranks' stages empty, which a pipeline allows.
+- In the callback tests, ``Sequential`` and ``models.Sequential`` are the
+  pipeline's, ``models.Model(inputs, outputs)`` as above; on several ranks
+  ``tempfile.TemporaryDirectory()`` is rank 0's directory on every rank and
+  ``os.remove`` there rank 0's (``_SharedFiles``), as ``get_temp_dir()`` is:
+  a writer callback writes on rank 0 alone, and every rank reads its file.
 - Tests that need torch, jax, grain or scipy's sparse matrices, and trainer
   tests of other models, are left out (deselected).
 - On several ranks each test function runs with its first parameters only
