@@ -101,6 +101,19 @@ def compiled_metrics(model):
     return model._compile_metrics
 
 
+def metric_containers() -> tuple:
+    """Keras' containers of compiled metrics, ``(CompileMetrics, MetricsList)`` (``trainers.compile_utils``, 3.0-3.15).
+
+    Why: a ``MonitorCallback`` with ``mode="auto"`` looks its metric's
+    direction up among the members of these, in ``model.metrics``; a rank
+    without the last stage answers it with the last stage's names and
+    directions (``engine/logs.py``).
+    """
+    from keras.src.trainers.compile_utils import CompileMetrics, MetricsList
+
+    return CompileMetrics, MetricsList
+
+
 def loss_tracker(model):
     """The ``Mean`` behind the logged ``loss`` (``Trainer._loss_tracker``, Keras 3.0-3.15)."""
     return model._loss_tracker
@@ -400,6 +413,51 @@ def restore_initializer(variable) -> None:
     if initializer is not False:
         variable._initializer = initializer
         del variable._keras_pipe_initializer
+
+
+@contextlib.contextmanager
+def lent_values(variables):
+    """The unallocated ones of ``variables`` hold a value (zeros, until assigned) inside; none again after.
+
+    Why: saving a model whose layers Keras cannot rebuild from their configs
+    (a custom layer not registered, or whose ``get_config`` misses an
+    argument) writes rank 0's own layer objects, as ``keras.Sequential``
+    would: for that moment they hold every stage's weights. Afterwards each
+    is as :func:`release_variable` left it (``KerasVariable._value`` and
+    ``_initializer``, Keras 3.0-3.15).
+    """
+    import numpy as np
+
+    lent = []
+    try:
+        with allocating_scope(), tf.init_scope():
+            for variable in variables:
+                if unallocated(variable) and all(variable is not other for other, _, _ in lent):
+                    kept = variable.__dict__.get("_keras_pipe_initializer", lent)
+                    lent.append((variable, variable._initializer, kept))
+                    variable._initialize(np.zeros(tuple(variable.shape), np.dtype(variable.dtype)))
+        yield
+    finally:
+        for variable, initializer, kept in lent:
+            variable._value = None
+            variable._initializer = initializer
+            if kept is lent:
+                variable.__dict__.pop("_keras_pipe_initializer", None)
+            else:
+                variable._keras_pipe_initializer = kept
+
+
+def write_model_summary(board) -> None:
+    """``TensorBoard._write_keras_model_summary`` for a ``PipelineModel`` (``keras_model_summary``, Keras 3.0-3.15).
+
+    Why: Keras writes the ``keras`` tag (the model's JSON) for a model whose
+    class is named ``Functional`` or ``Sequential`` only; the pipeline stands
+    for one, and its event files carry the same tags.
+    """
+    from keras.src.callbacks.tensorboard import keras_model_summary
+
+    with board._train_writer.as_default():
+        keras_model_summary("keras", board.model, step=0)
 
 
 # -- losses ------------------------------------------------------------------------------

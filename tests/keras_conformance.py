@@ -2,9 +2,10 @@
 
 Keras ships its tests in its wheel. With this plugin, pytest runs
 ``keras/src/models/sequential_test.py``, ``functional_test.py``,
-``model_test.py`` and the tests of ``keras/src/trainers/trainer_test.py``
-whose model is a ``Sequential`` or one of that file's module-level models,
-with ``PipelineModel`` in their place: nothing of Keras' is copied, the names
+``model_test.py``, the callback tests ``keras/src/callbacks/*_test.py`` (but
+``orbax_checkpoint_test.py``) and the tests of
+``keras/src/trainers/trainer_test.py`` whose model is a ``Sequential`` or one
+of that file's module-level models, with ``PipelineModel`` in their place: nothing of Keras' is copied, the names
 the test modules look up are substituted once they are imported.
 
 - ``Sequential`` becomes a ``PipelineModel`` with ``Sequential``'s
@@ -20,6 +21,11 @@ the test modules look up are substituted once they are imported.
   ``PipelineModel.from_model``'s to trace, not this substitution's), and
   ``isinstance`` answers as with Keras' classes. A graph with fewer nodes
   than ranks leaves the last ranks' stages empty, which a pipeline allows.
+- In the callback tests, ``Sequential`` and ``models.Sequential`` are the
+  pipeline's, ``models.Model(inputs, outputs)`` as above; on several ranks
+  ``tempfile.TemporaryDirectory()`` is rank 0's directory on every rank and
+  ``os.remove`` there rank 0's (``_SharedFiles``), as ``get_temp_dir()`` is:
+  a writer callback writes on rank 0 alone, and every rank reads its file.
 - Tests that need torch, jax, grain or scipy's sparse matrices, and trainer
   tests of other models, are left out (deselected).
 - On several ranks each test function runs with its first parameters only
@@ -64,6 +70,24 @@ EXPECTED = Path(__file__).with_name("keras_conformance_expected.txt")
 SEQUENTIAL_TESTS = "keras.src.models.sequential_test"
 TRAINER_TESTS = "keras.src.trainers.trainer_test"
 FUNCTIONAL_TESTS = ("keras.src.models.functional_test", "keras.src.models.model_test")
+CALLBACK_TESTS = tuple(
+    f"keras.src.callbacks.{name}_test"
+    for name in (
+        "backup_and_restore",
+        "callback",
+        "csv_logger",
+        "early_stopping",
+        "lambda_callback",
+        "learning_rate_scheduler",
+        "model_checkpoint",
+        "monitor_callback",
+        "reduce_lr_on_plateau",
+        "remote_monitor",
+        "swap_ema_weights",
+        "tensorboard",
+        "terminate_on_nan",
+    )
+)  # (not orbax_checkpoint_test.py: OrbaxCheckpoint needs the orbax package, JAX's checkpointer)
 MODULE_MODELS = (
     "ExampleModel",
     "CustomTrainTestStepModel",
@@ -129,15 +153,21 @@ class _CustomSteps(PipelineModel):
 
 
 class _KerasNames(types.ModuleType):
-    """A module's view of ``keras`` (or ``keras.src.models``) in which ``Sequential`` is the pipeline's."""
+    """A module's view of ``keras`` (or ``keras.src.models``) in which ``Sequential`` is the pipeline's.
 
-    def __init__(self, wrapped):
+    ``names``: other names to substitute (the callback tests' ``models.Model``).
+    """
+
+    def __init__(self, wrapped, names=None):
         super().__init__(wrapped.__name__)
         self._wrapped = wrapped
+        self._names = dict(names or {})
 
     def __getattr__(self, name):
         if name == "Sequential":
             return Sequential
+        if name in self._names:
+            return self._names[name]
         return getattr(self._wrapped, name)
 
 
@@ -210,7 +240,82 @@ class Functional(PipelineModel, Model):
             super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
 
 
+def _substitute_in_callback_tests() -> None:
+    """The callback tests' ``Sequential`` and ``models.Sequential``/``models.Model(inputs, outputs)``."""
+    for module_name in CALLBACK_TESTS:
+        module = importlib.import_module(module_name)
+        if hasattr(module, "Sequential"):
+            module.Sequential = Sequential
+        if hasattr(module, "models"):
+            module.models = _KerasNames(module.models, {"Model": Model})
+        if SIZE > 1 and module_name in SHARED_FILES_TESTS:
+            for name in ("tempfile", "os"):
+                if hasattr(module, name):
+                    setattr(module, name, _SharedFiles(getattr(module, name)))
+
+
+class _SharedFiles(types.ModuleType):
+    """``tempfile`` and ``os`` as a test module sees them on several ranks: one shared directory, one remover.
+
+    ``tempfile.TemporaryDirectory()`` is rank 0's directory on every rank
+    (as ``get_temp_dir()`` is, see :func:`_shared_temp_dir`): the callback
+    tests read the file a writer callback wrote, which rank 0 alone writes.
+    ``os.remove`` of a file there is rank 0's, once every rank has got there.
+    """
+
+    def __init__(self, wrapped):
+        super().__init__(wrapped.__name__)
+        self._wrapped = wrapped
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+    def TemporaryDirectory(self, *args, **kwargs):  # noqa: N802 - tempfile's name
+        return _SharedTemporaryDirectory()
+
+    def remove(self, path):
+        comm = MPI.COMM_WORLD
+        comm.Barrier()
+        if RANK == 0:
+            os.remove(path)
+        comm.Barrier()
+
+
+class _SharedTemporaryDirectory:
+    def __init__(self):
+        self.name = MPI.COMM_WORLD.bcast(tempfile.mkdtemp() if RANK == 0 else None, root=0)
+
+    def __enter__(self):
+        return self.name
+
+    def __exit__(self, *exc):
+        self.cleanup()
+
+    def cleanup(self):
+        MPI.COMM_WORLD.Barrier()
+        if RANK == 0:
+            shutil.rmtree(self.name, ignore_errors=True)
+
+
+SHARED_FILES_TESTS = tuple(
+    f"keras.src.callbacks.{name}_test" for name in ("csv_logger", "swap_ema_weights", "model_checkpoint")
+)
+
+
+def _keras_conftest() -> None:
+    """``remote_monitor_test.py`` imports ``skip_if_backend`` from the ``conftest.py`` of Keras' repository."""
+    module = types.ModuleType("conftest")
+
+    def skip_if_backend(given_backend, reason):
+        return pytest.mark.skipif(keras.backend.backend() == given_backend, reason=reason)
+
+    module.skip_if_backend = skip_if_backend
+    sys.modules.setdefault("conftest", module)
+
+
 def _substitute() -> None:
+    _keras_conftest()
+    _substitute_in_callback_tests()
     for module_name in FUNCTIONAL_TESTS:
         module = importlib.import_module(module_name)
         module.Functional = Functional

@@ -335,7 +335,17 @@ class Engine:
             sample = [rows(t, 0, first) for t in x]
         self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
         parts = [(chunk.compute.stage, chunk.compute.calls, chunk.links) for chunk in self.chunks]
+        # The measuring forward is not one of the model's calls: what it changes in the layers' state (a layer
+        # counting its calls, a statistic updated in the forward) is put back, so that the state is Keras'.
+        state = [
+            (v, v.numpy())
+            for unit in self.stage_units()
+            for v in self.graph.units[unit].non_trainable_variables
+            if not compat.unallocated(v)
+        ]
         measured, notes = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
+        for variable, value in state:
+            variable.assign(value)
         for note in notes:  # (the same on every rank)
             warnings.warn(note, stacklevel=2)
         problems = probe.differences(self.cut.graph, measured) + probe.rows_not_first(self.cut, measured)

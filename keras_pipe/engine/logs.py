@@ -30,22 +30,26 @@ class LogSharing:
         self.comm = comm
         self.source = source
         self._fields: dict = {}
+        self.directions: dict = {}  # the compiled metrics' {name: "up" or "down"}, from the source
 
     def forget(self) -> None:
         """After ``compile()``: the metrics may have changed."""
         self._fields = {}
+        self.directions = {}
 
-    def share(self, kind: str, loss_part: float, samples: int, metrics: dict, order=None):
+    def share(self, kind: str, loss_part: float, samples: int, metrics: dict, order=None, directions=None):
         """``(loss sum, samples, metrics, order)`` over every rank; ``metrics`` in the source's order.
 
-        ``samples`` counts once (rank 0's); ``metrics`` and ``order`` (the
-        keys of ``evaluate()``'s list) are read on the source only.
+        ``samples`` counts once (rank 0's); ``metrics``, ``order`` (the keys
+        of ``evaluate()``'s list) and ``directions`` (each compiled metric's,
+        kept in :attr:`directions`) are read on the source only.
         """
         has_metrics = self.comm.rank == self.source
         if kind not in self._fields:
             fields = [[name, list(np.shape(value))] for name, value in metrics.items()]
-            shared = self.comm.bcast_json([fields, order] if has_metrics else None, root=self.source)
-            self._fields[kind] = shared
+            shared = self.comm.bcast_json([fields, order, directions] if has_metrics else None, root=self.source)
+            self._fields[kind] = shared[:2]
+            self.directions.update(shared[2] or {})
         fields, order = self._fields[kind]
         values = [loss_part, float(samples) if self.comm.rank == 0 else 0.0]
         for name, shape in fields:
@@ -68,6 +72,7 @@ class ModelLogs:
         self.model = model
         self._update = (None, None)  # (the compiled metrics, their compiled update and results)
         self._track = (None, None)  # (the loss tracker, its compiled update and result)
+        self._answer = None  # (directions, the metrics list answering for them: see answered())
         # The keys of evaluate()'s list, in Keras' order (where Sequential lists
         # a metric twice, so does this), from the last stage, whose metrics are built.
         self.order: list | None = None
@@ -91,10 +96,39 @@ class ModelLogs:
                 metrics = self.metric_results(self._metrics_update()(y, tensors, masks, sample_weight))
             order = keras.Model._flatten_metrics_in_order(model, {k: k for k in ("loss", *metrics)})
             order = order if isinstance(order, list) else [order]
+        directions = self.directions() if engine.is_last else None
         began = time.perf_counter()
-        loss, samples, metrics, self.order = engine.logs.share(phase, loss_part, batch_size, metrics, order)
+        loss, samples, metrics, self.order = engine.logs.share(phase, loss_part, batch_size, metrics, order, directions)
         engine.span("share logs", began)
         return {"loss": self._track_loss(loss, samples), **metrics}
+
+    def directions(self) -> dict:
+        """``{name: "up" or "down"}`` of the compiled metrics, as ``MonitorCallback`` reads them (last stage)."""
+        found = {}
+        for container in self.model.metrics:
+            if isinstance(container, compat.metric_containers()):
+                for metric in container.metrics:
+                    if hasattr(metric, "_direction"):
+                        found[metric.name] = "up" if metric._direction == "up" else "down"
+        return found
+
+    def answered(self, metrics: list) -> list:
+        """``model.metrics`` on this rank: where the compiled metrics are another stage's, their names and directions.
+
+        Keras' monitoring callbacks (``EarlyStopping(monitor="val_accuracy")``
+        with ``mode="auto"``) ask ``model.metrics`` whether a metric goes up
+        or down; only the last stage holds the compiled metrics. Every other
+        rank answers with the last stage's names and directions (shared with
+        the first step's logs), in place of its own unbuilt container.
+        """
+        engine = self.model.engine
+        directions = engine.logs.directions
+        compiled = compat.compiled_metrics(self.model)
+        if engine.is_last or not directions or compiled is None or compiled.built:
+            return metrics
+        if self._answer is None or self._answer[0] != directions:
+            self._answer = (dict(directions), _directions_list(directions, compiled.name))
+        return [self._answer[1] if m is compiled else m for m in metrics]
 
     def _term_trackers(self) -> list:
         """``CompileLoss``'s mean of each output's loss (several outputs), as Keras logs them."""
@@ -175,3 +209,31 @@ class ModelLogs:
         order = keras.Model._flatten_metrics_in_order(model, {"loss": 0.0, **{k: k for k in results}})
         order = [name for name in (order if isinstance(order, list) else [order]) if name in results]
         return {name: results[name] for name in dict.fromkeys(order)}
+
+
+def _directions_list(directions: dict, name: str):
+    """A ``MetricsList`` of stand-ins, one a compiled metric: its name and direction, no state, no result."""
+    _, metrics_list = compat.metric_containers()
+
+    class Direction(keras.metrics.Metric):
+        def __init__(self, name, direction):
+            super().__init__(name=name)
+            self._direction = direction
+
+        def update_state(self, *args, **kwargs):
+            pass
+
+        def reset_state(self):
+            pass
+
+        def result(self):
+            return 0.0
+
+    class Directions(metrics_list):
+        def reset_state(self):
+            pass
+
+        def result(self):
+            return {}  # (the values are the logs', shared from the last stage)
+
+    return Directions([Direction(n, d) for n, d in directions.items()], name=name)

@@ -4,18 +4,32 @@ Every rank sees the same logs, so every callback decides the same thing on
 every rank (EarlyStopping stops everywhere at the same epoch,
 ReduceLROnPlateau sets the same learning rate). What must differ:
 
-- callbacks that only write files (``CSVLogger``, ``TensorBoard``) run on
-  rank 0 alone: one writer;
+- callbacks whose only effect is outside the job (``CSVLogger``,
+  ``TensorBoard``, ``RemoteMonitor``, and a user's callback passed through
+  :func:`writer_only`) run on rank 0 alone: one file, one post, as from one
+  process;
+- ``TensorBoard``'s weight histograms and embeddings need every stage's
+  weights: every rank takes part in gathering them (``get_weights``) and in
+  the embeddings' ``save_weights``, at the TensorBoard's place in the list;
+  rank 0 writes;
+- a monitoring callback (``EarlyStopping``, ``ModelCheckpoint``,
+  ``ReduceLROnPlateau``, any ``MonitorCallback``) with ``mode="auto"`` asks
+  ``model.metrics`` whether its metric goes up or down: every rank answers
+  as the last stage, which holds the compiled metrics (``engine/logs.py``),
+  so every rank decides alike, or raises Keras' error alike;
 - ``ModelCheckpoint`` runs everywhere, as ``model.save``/``save_weights`` are
   collective and rank 0 writes;
 - ``BackupAndRestore`` decides on rank 0 whether a backup exists and tells the
   other ranks, so that they need not share its filesystem, and only rank 0
   writes the backup and its metadata.
+
+See ``docs/callbacks.md``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import keras
@@ -23,11 +37,43 @@ import keras
 from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
 from keras_pipe.model.saving import on_root, write_weights
+from keras_pipe.model.weights import ordered
 from keras_pipe.mpi.comm import Communicator
 from keras_pipe.mpi.files import copy, write_text
 from keras_pipe.optional import check_callbacks
 
-_WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
+_WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard, keras.callbacks.RemoteMonitor)
+WRITER = 0  # the rank that runs the callbacks with an effect outside the job
+_WRITER_ONLY = "_keras_pipe_writer_only"
+
+
+def is_writer() -> bool:
+    """Whether this process is the one of the job that writes files and posts: ``MPI.COMM_WORLD`` rank 0.
+
+    For a callback of one's own with an effect outside the job (a file, a
+    remote logger, an experiment tracker), as Horovod's ``hvd.rank() == 0``::
+
+        callbacks = [keras.callbacks.EarlyStopping(...)]
+        if is_writer():
+            callbacks.append(MyTracker())
+
+    or pass it through :func:`writer_only`. Plain ``python`` (one process): True.
+    """
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank() == WRITER
+
+
+def writer_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    """Marks ``callback`` to run on rank 0 alone (as ``CSVLogger`` and ``TensorBoard`` do); returns it.
+
+    For a callback whose effect is outside the job (it writes, posts,
+    prints) and that calls nothing collective (``model.save``,
+    ``get_weights`` and ``evaluate`` are collective: a callback calling them
+    must run on every rank). The other ranks leave it out of ``fit``.
+    """
+    setattr(callback, _WRITER_ONLY, True)
+    return callback
 
 
 def adapt_callbacks(callbacks, comm: Communicator):
@@ -37,12 +83,80 @@ def adapt_callbacks(callbacks, comm: Communicator):
     check_callbacks(callbacks)  # (on every rank: a writer's missing package is everyone's error, before training)
     kept = []
     for callback in callbacks:
-        if isinstance(callback, _WRITERS) and comm.rank != 0:
+        if isinstance(callback, keras.callbacks.TensorBoard) and (callback.histogram_freq or callback.embeddings_freq):
+            # every rank gathers the weights (and joins the embeddings' save_weights) where the TensorBoard is
+            helper = _TensorBoardWeights(callback, comm)
+            kept.append(helper)
+            if comm.rank == WRITER:
+                callback._log_weights = helper.log_weights
+        if isinstance(callback, keras.callbacks.TensorBoard) and comm.rank == WRITER:
+            callback._write_keras_model_summary = lambda board=callback: compat.write_model_summary(board)
+        if (isinstance(callback, _WRITERS) or getattr(callback, _WRITER_ONLY, False)) and comm.rank != WRITER:
             continue
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             _make_collective(callback, comm)
         kept.append(callback)
+    if any(isinstance(c, _WRITERS) or getattr(c, _WRITER_ONLY, False) for c in callbacks):
+        kept.append(_WritersDone(comm))
     return kept
+
+
+class _WritersDone(keras.callbacks.Callback):
+    """Last in the list, on every rank: ``fit()`` returns once rank 0's writers have closed their files.
+
+    So that a rank reading a ``CSVLogger``'s file or a ``TensorBoard``'s
+    events after ``fit()`` (on a shared filesystem) finds them complete.
+    """
+
+    def __init__(self, comm: Communicator):
+        super().__init__()
+        self.comm = comm
+
+    def on_train_end(self, logs=None):
+        self.comm.barrier()
+
+
+class _TensorBoardWeights(keras.callbacks.Callback):
+    """Every rank's part of a ``TensorBoard``'s histograms and embeddings, just before it (rank 0) or in its place.
+
+    The histograms are of every stage's weights, gathered (``get_weights``,
+    collective) on the epochs the TensorBoard logs them; rank 0's
+    TensorBoard writes them under each weight's path, as Keras does. Its
+    embeddings call ``model.save_weights``, collective: the other ranks call
+    it here, at the same place in the list.
+    """
+
+    def __init__(self, board: keras.callbacks.TensorBoard, comm: Communicator):
+        super().__init__()
+        self.board = board
+        self.comm = comm
+        self.weights = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        board = self.board
+        if board.histogram_freq and epoch % board.histogram_freq == 0:
+            model = self.model
+            values = model.get_weights()
+            # (keras.Sequential builds its layers under its own name: the chain's paths are named as its are)
+            prefix = f"{model.name}/" if model._pipeline_layers else ""
+            self.weights = [
+                (v.path if v.path.startswith(prefix) else prefix + v.path, value)
+                for (v, _, _), value in zip(ordered(model.engine), values)
+            ]
+        if self.comm.rank != WRITER and board.embeddings_freq and epoch % board.embeddings_freq == 0:
+            # (the path rank 0's TensorBoard saves to; rank 0 writes it)
+            self.model.save_weights(os.path.join(board.log_dir, "train", f"keras_embedding.ckpt-{epoch}.weights.h5"))
+
+    def log_weights(self, epoch):
+        """``TensorBoard._log_weights`` (Keras 3.15) over every stage's weights."""
+        board = self.board
+        with board._train_writer.as_default():
+            for path, value in self.weights:
+                name = path.replace(":", "_")
+                board.summary.histogram(f"{name}/histogram", value, step=epoch)
+                if board.write_images:
+                    board._log_weight_as_image(value, f"{name}/image", epoch)
+            board._train_writer.flush()
 
 
 def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communicator) -> None:
@@ -94,7 +208,18 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
                     f"{paths['prev_weights_path']}",
                     stacklevel=2,
                 )
-            restore(paths["prev_weights_path"], paths["prev_training_metadata_path"])
+
+            def put_back():
+                # (as Keras does: the previous backup becomes the latest, then is read under the latest's name, which
+                # load_weights takes: a .bkp path is not a weights file's name to it)
+                copy(paths["prev_weights_path"], paths["weights_path"])
+                if files.exists(paths["prev_training_metadata_path"]):
+                    copy(paths["prev_training_metadata_path"], paths["training_metadata_path"])
+                elif files.exists(paths["training_metadata_path"]):
+                    files.remove(paths["training_metadata_path"])
+
+            on_root(comm, put_back, "put the previous backup back")
+            restore(paths["weights_path"], paths["training_metadata_path"])
 
     def save_model():
         paths = compat.backup_paths(callback)

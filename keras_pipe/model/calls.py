@@ -46,6 +46,7 @@ class CallPreparation:
         arguments = dict(bound.arguments)
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
+        compile_checks.check_no_strategy(model)  # (before any communication: every rank raises)
         if name != "predict" and model.compiled:
             compile_checks.check_model(model)
         shared = {key: describe_argument(value) for key, value in arguments.items() if key in COMPARED_ARGUMENTS}

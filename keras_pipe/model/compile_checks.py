@@ -30,6 +30,28 @@ def check_model(model) -> None:
         check_loss(model.loss)  # raises for what cannot be split into micro-batches
 
 
+def check_no_strategy(model) -> None:
+    """Refuses a ``tf.distribute`` strategy (the model made, compiled or called in its scope), on every rank.
+
+    A ``PipelineModel`` is already distributed, over MPI ranks: one stage a
+    rank, and data parallelism as replicas of the pipeline
+    (``num_stages``); each rank's programs run on its own device. A strategy
+    would replicate each stage over its devices inside Keras' step, which
+    the pipeline's step (micro-batches sent between ranks) does not run in.
+    """
+    import tensorflow as tf
+
+    if getattr(model, "_distribute_strategy", None) is None and not tf.distribute.has_strategy():
+        return
+    strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
+    raise refuse(
+        f"a PipelineModel under tf.distribute ({type(strategy).__name__}): the pipeline distributes the model over "
+        "MPI ranks itself (one stage a rank; replicas of the pipeline with num_stages=... for data parallelism), "
+        "and its steps cannot run inside a strategy's replicas. Make, compile and train the model outside "
+        "strategy.scope(), one rank per device."
+    )
+
+
 def refuse(message: str) -> PipelineConfigError:
     return PipelineConfigError(message)
 

@@ -259,6 +259,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
         arguments.update(arguments.pop("kwargs", {}))
         jit = arguments.pop("jit_compile", "auto")
+        compile_checks.check_no_strategy(self)
         compile_checks.check_arguments(dict(arguments, jit_compile=jit))
         arguments.pop("self")
         super().compile(**arguments, jit_compile=False)  # keras_pipe compiles its own programs
@@ -370,6 +371,18 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         if self._pipeline_logs is not None:
             return dict(self._pipeline_logs)
         return super().get_metrics_result()
+
+    @property
+    def metrics(self) -> list:
+        """As ``keras.Model.metrics``; on a rank without the last stage, the compiled metrics' names and directions.
+
+        What a monitoring callback with ``mode="auto"`` asks (does
+        ``val_accuracy`` go up?): every rank answers as the last stage,
+        which holds the compiled metrics, once the first step has shared them.
+        """
+        metrics = super().metrics
+        logs = self.__dict__.get("_logs")  # (None while keras.Model.__init__ runs)
+        return metrics if logs is None else logs.answered(metrics)
 
     def reset_metrics(self) -> None:
         super().reset_metrics()

@@ -14,6 +14,7 @@ no per-stage shards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import keras
@@ -173,11 +174,79 @@ def compile_whole(whole, compile_config) -> None:
         whole.optimizer.build(whole.trainable_variables)
 
 
+def of_layers(model) -> keras.Model:
+    """The whole model made of this process's own layer objects (rank 0), for Keras to write.
+
+    What :func:`skeleton` falls back on when a layer cannot be rebuilt from
+    its config (a custom layer Keras cannot locate, or whose ``get_config``
+    misses an argument): ``keras.Sequential`` saves such a model (it writes
+    the configs; only loading needs the class), and so does this. A chain is
+    a new ``keras.Sequential`` of the pipeline's layers, a graph a new
+    ``keras.Model`` of its inputs and outputs; compiled as the pipeline is.
+    The layers of other stages hold no weights here: call it inside
+    :func:`compat.lent_values`.
+    """
+    if model._pipeline_layers:
+        shape, dtype = model._pipeline_input
+        whole = keras.Sequential(
+            [keras.Input(batch_shape=shape, dtype=dtype), *model._pipeline_layers], name=model.name
+        )
+    else:
+        source = model._source
+        whole = keras.Model(source.inputs, source.outputs, name=source.name)
+    if model.compiled:
+        compile_whole(whole, model.get_compile_config())
+    return whole
+
+
+def _rebuilt_or_none(model) -> keras.Model | None:
+    """:func:`skeleton`, or ``None`` where a layer cannot be rebuilt from its config (see :func:`of_layers`)."""
+    try:
+        return skeleton(model)
+    except Exception:  # noqa: BLE001 - a layer's from_config may raise anything; the layers themselves are written
+        return None
+
+
 def to_whole(model) -> keras.Model | None:
     """The whole model as one Keras model on rank 0 (``None`` elsewhere); collective.
 
     With replicas, the first replica's pipeline gathers (the others hold the same weights).
+    Rebuilt from the layers' configs (:func:`skeleton`): a model of its own, which the caller keeps.
     """
+    parts = _gathered(model)
+    if parts is None:
+        return None
+    whole = skeleton(model)
+    _fill(whole, parts)
+    return whole
+
+
+@contextlib.contextmanager
+def whole_for_writing(model):
+    """The whole model on rank 0 (``None`` elsewhere) for the time of writing it; collective.
+
+    :func:`to_whole`, or where a layer cannot be rebuilt from its config,
+    this process's own layers holding every stage's weights for that time
+    (:func:`of_layers`): Keras writes what it would write for the unsplit
+    model, and only loading needs the layer's class.
+    """
+    parts = _gathered(model)
+    if parts is None:
+        yield None
+        return
+    whole = _rebuilt_or_none(model)
+    if whole is not None:
+        _fill(whole, parts)
+        yield whole
+        return
+    with compat.lent_values([v for v, _, _ in ordered(model.engine)]):
+        whole = of_layers(model)
+        _fill(whole, parts)
+        yield whole
+
+
+def _gathered(model):
+    """Every stage's weights and optimizer state, on rank 0 (``None`` elsewhere); collective."""
     if model.replica_index != 0:
         return None
     engine = model.engine
@@ -201,11 +270,15 @@ def to_whole(model) -> keras.Model | None:
         opt_parts = [dict(zip(k, p)) for k, p in zip(keys, parts)] if parts is not None else None
     if comm.rank != ROOT:
         return None
-    whole = skeleton(model)
     values = [None] * len(entries)
     for stage_positions, arrays in zip(positions, gathered):
         for p, array in zip(stage_positions, arrays):
             values[p] = array
+    return values, opt_parts
+
+
+def _fill(whole: keras.Model, parts) -> None:
+    values, opt_parts = parts
     whole.set_weights(values)
     if opt_parts is not None and whole.optimizer is not None:
         merged = {}
@@ -213,10 +286,24 @@ def to_whole(model) -> keras.Model | None:
             merged.update(part)  # the optimizer's own variables are the same on every stage
         index = trainable_index(whole.weights)
         assign_optimizer_state(whole.optimizer, [(v, index[id(v)]) for v in whole.trainable_variables], merged)
-    return whole
 
 
-def load_into(model, whole: keras.Model | None) -> None:
+class WholeArrays:
+    """A whole model's weights (in its ``weights`` order) and optimizer state, as numpy arrays (rank 0).
+
+    What :func:`load_into` takes where the whole model only lived for a
+    moment (its layers are this process's own, :func:`of_layers`).
+    """
+
+    def __init__(self, whole: keras.Model):
+        self.values = [np.asarray(w.numpy()) for w in whole.weights]
+        self.state = None
+        if getattr(whole, "optimizer", None) is not None and whole.optimizer.built:
+            index = trainable_index(whole.weights)
+            self.state = optimizer_state(whole.optimizer, [(v, index[id(v)]) for v in whole.trainable_variables])
+
+
+def load_into(model, whole: keras.Model | WholeArrays | None) -> None:
     """Gives every stage its weights (and optimizer state) from ``whole`` on rank 0; collective.
 
     The first replica's pipeline receives them from rank 0, then passes them to the other replicas.
@@ -226,14 +313,16 @@ def load_into(model, whole: keras.Model | None) -> None:
     copy_from_first_replica(model.engine, model.optimizer if model.compiled else None)
 
 
-def _load_pipeline(model, whole: keras.Model | None) -> None:
+def _load_pipeline(model, whole) -> None:
     engine = model.engine
     comm = engine.pipeline
     entries = ordered(engine)
     held = comm.allgather_json([p for p, (_, _, here) in enumerate(entries) if here])
     per_rank = None
+    if comm.rank == ROOT and not isinstance(whole, WholeArrays):
+        whole = WholeArrays(whole)
     if comm.rank == ROOT:
-        values = [w.numpy() for w in whole.weights]
+        values = whole.values
         if len(values) != len(entries):
             raise PipelineIOError(f"the file holds {len(values)} weights but the model has {len(entries)}")
         per_rank = [[values[p] for p in positions] for positions in held]
@@ -241,14 +330,7 @@ def _load_pipeline(model, whole: keras.Model | None) -> None:
     for p, value in zip(held[comm.rank], received):
         entries[p][0].assign(value)
     has_state = comm.bcast_json(
-        bool(
-            whole is not None
-            and getattr(whole, "optimizer", None) is not None  # an uncompiled model has none
-            and whole.optimizer.built
-            and model.compiled
-        )
-        if comm.rank == ROOT
-        else None,
+        bool(whole is not None and whole.state is not None and model.compiled) if comm.rank == ROOT else None,
         root=ROOT,
     )
     if not has_state or not model.compiled:
@@ -259,8 +341,7 @@ def _load_pipeline(model, whole: keras.Model | None) -> None:
     )
     per_rank_state = keys = None
     if comm.rank == ROOT:
-        whole_index = trainable_index(whole.weights)
-        full = optimizer_state(whole.optimizer, [(v, whole_index[id(v)]) for v in whole.trainable_variables])
+        full = whole.state
         keys = [sorted(k for k in full if k.startswith("optimizer:") or int(k.split(":")[0]) in set(w)) for w in wanted]
         per_rank_state = [[full[k] for k in ks] for ks in keys]
     keys = comm.bcast_json(keys, root=ROOT)[comm.rank]
@@ -290,14 +371,14 @@ def _tuple_specs(spec):
 
 def write_weights(model, filepath, overwrite: bool = True, finish=None, **kwargs) -> None:
     """``model.save_weights`` (collective); ``finish(path)`` runs on rank 0 on the complete file before its rename."""
-    whole = to_whole(model)
+    with whole_for_writing(model) as whole:
 
-    def write(temporary):
-        whole.save_weights(temporary, **kwargs)
-        if finish is not None:
-            finish(temporary)
+        def write(temporary):
+            whole.save_weights(temporary, **kwargs)
+            if finish is not None:
+                finish(temporary)
 
-    on_root(model.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save weights to {filepath}")
+        on_root(model.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save weights to {filepath}")
 
 
 def write_atomically(filepath, overwrite: bool, write) -> None:
@@ -390,10 +471,10 @@ class SavingMethods:
             return (type(self).from_config, (self.get_config(),))
         self.build()
         world = self.engine.world
-        whole = to_whole(self)  # (collective: the whole model on rank 0, None elsewhere)
-        data = on_root(
-            world, lambda: np.frombuffer(compat.keras_pickle_bytes(whole), np.uint8), f"pickle {self.name!r}"
-        )
+        with whole_for_writing(self) as whole:  # (collective: the whole model on rank 0, None elsewhere)
+            data = on_root(
+                world, lambda: np.frombuffer(compat.keras_pickle_bytes(whole), np.uint8), f"pickle {self.name!r}"
+            )
         size = world.bcast_json(None if data is None else int(data.size), root=ROOT)
         data = world.bcast_array(data if data is not None else np.empty(size, np.uint8), root=ROOT)
         options = {k: v for k, v in self._options.items() if v != _DEFAULTS[k]}
@@ -436,15 +517,15 @@ class SavingMethods:
         any number of ranks.
         """
         self.build()
-        whole = to_whole(self)
         arguments = dict(kwargs)
         if zipped is not None:
             arguments["zipped"] = zipped
+        with whole_for_writing(self) as whole:
 
-        def write(temporary):
-            whole.save(temporary, **arguments)
+            def write(temporary):
+                whole.save(temporary, **arguments)
 
-        on_root(self.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save {filepath}")
+            on_root(self.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save {filepath}")
 
     @collective
     def save_weights(self, filepath, overwrite: bool = True, **kwargs) -> None:
@@ -457,8 +538,14 @@ class SavingMethods:
         self.build()
 
         def read():
-            whole = skeleton(self)
-            whole.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
-            return whole
+            whole = _rebuilt_or_none(self)
+            if whole is not None:
+                whole.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+                return whole
+            # a layer Keras cannot rebuild from its config: this process's own layers read the file
+            with compat.lent_values([v for v, _, _ in ordered(self.engine)]):
+                whole = of_layers(self)
+                whole.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+                return WholeArrays(whole)
 
         load_into(self, on_root(self.engine.world, read, f"load weights from {filepath}", reading=filepath))

@@ -39,3 +39,12 @@ def test_backup_and_restore_killed_while_writing_its_backup_resumes_from_the_las
     assert damaged.returncode != 0, damaged.output
     assert damaged.output.count(f"the backup in {backup} cannot be read") == 1, damaged.output
     assert "written only in part" in damaged.output and "Delete" in damaged.output, damaged.output
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_callback_families_match_sequential(tmp_path, nprocs):
+    """Issue 47: monitors on val_accuracy (mode auto), custom layers Keras cannot rebuild, TensorBoard histograms and
+    embeddings, effects once per job, tf.distribute refused; see tests/mpi_scripts/callback_families.py."""
+    launch = run_mpi(nprocs, "callback_families.py", str(tmp_path), timeout=400)
+    assert launch.returncode == 0, launch.output
+    assert launch.output.count("FAMILIES OK") == nprocs, launch.output
