@@ -22,6 +22,7 @@ import numpy as np
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
+from keras_pipe.graph import trace as traces
 from keras_pipe.model.weights import copy_from_first_replica, ordered
 from keras_pipe.mpi.comm import TAG_STATE, Communicator
 from keras_pipe.mpi.failure import collective
@@ -182,7 +183,7 @@ def of_layers(model) -> keras.Model:
     misses an argument): ``keras.Sequential`` saves such a model (it writes
     the configs; only loading needs the class), and so does this. A chain is
     a new ``keras.Sequential`` of the pipeline's layers, a graph a new
-    ``keras.Model`` of its inputs and outputs; compiled as the pipeline is.
+    the model the pipeline was made of; compiled as the pipeline is.
     The layers of other stages hold no weights here: call it inside
     :func:`compat.lent_values`.
     """
@@ -192,19 +193,28 @@ def of_layers(model) -> keras.Model:
             [keras.Input(batch_shape=shape, dtype=dtype), *model._pipeline_layers], name=model.name
         )
     else:
-        source = model._source
-        whole = keras.Model(source.inputs, source.outputs, name=source.name)
+        # the model the pipeline was made of, its class kept (a keras_hub task, a subclassed model): a new
+        # keras.Model over a task's graph is one Keras cannot load again where a layer of a nested model is
+        # called outside it too (a language model's head on its backbone's token embedding)
+        whole = traces.source_of(model._source) or model._source
     if model.compiled:
         compile_whole(whole, model.get_compile_config())
     return whole
 
 
 def _rebuilt_or_none(model) -> keras.Model | None:
-    """:func:`skeleton`, or ``None`` where a layer cannot be rebuilt from its config (see :func:`of_layers`)."""
+    """:func:`skeleton`, or ``None`` where the layers' configs cannot rebuild the model's weights.
+
+    A layer Keras cannot rebuild from its config (see :func:`of_layers`), or
+    one whose config does not hold all its weights: LoRA enabled on a
+    keras_hub backbone (whose config builds its layers without it), so the
+    rebuilt model has fewer weights than the pipeline gathered.
+    """
     try:
-        return skeleton(model)
+        whole = skeleton(model)
     except Exception:  # noqa: BLE001 - a layer's from_config may raise anything; the layers themselves are written
         return None
+    return whole if len(whole.weights) == len(ordered(model.engine)) else None
 
 
 def to_whole(model) -> keras.Model | None:
@@ -212,13 +222,32 @@ def to_whole(model) -> keras.Model | None:
 
     With replicas, the first replica's pipeline gathers (the others hold the same weights).
     Rebuilt from the layers' configs (:func:`skeleton`): a model of its own, which the caller keeps.
+    Where the configs cannot rebuild it (:func:`_rebuilt_or_none`), Keras' own save and load of
+    this process's layers, lent every stage's weights for the moment (:func:`_standalone`).
     """
     parts = _gathered(model)
     if parts is None:
         return None
-    whole = skeleton(model)
+    whole = _rebuilt_or_none(model)
+    if whole is None:
+        return _standalone(model, parts)
     _fill(whole, parts)
     return whole
+
+
+def _standalone(model, parts) -> keras.Model:
+    """Rank 0: the model the pipeline was made of (its class kept: a keras_hub task stays one), holding every
+    stage's weights, through Keras' own save and load (in memory, as Keras pickles a model).
+
+    What Keras writes is what it writes for the unsplit model: LoRA kernels
+    merged into the kernels they adapt (``Dense.save_own_variables``), so the
+    model it loads has none. Compiled as the pipeline is.
+    """
+    with compat.lent_values([v for v, _, _ in ordered(model.engine)]):
+        own = of_layers(model)
+        _fill(own, parts)
+        data = compat.keras_pickle_bytes(own)
+    return compat.keras_unpickle(data)
 
 
 @contextlib.contextmanager

@@ -360,11 +360,15 @@ def llama_lora(case):
     preset_dir = os.path.join(directory, f"keras_pipe_trained_preset_{os.getppid()}")
     model.save_to_preset(preset_dir)
     predicted = model.predict(x, batch_size=16, verbose=0)
+    saved = os.path.join(directory, f"keras_pipe_trained_{os.getppid()}.keras")
+    model.save(saved)  # (Keras writes the LoRA kernels merged into the kernels, as for the unsplit model)
     if RANK == 0:
         import keras_hub
 
         reopened = keras_hub.models.LlamaCausalLM.from_preset(preset_dir, preprocessor=None)
         assert_close(reopened.predict(x, batch_size=16, verbose=0), predicted, f"{case}: the saved preset")
+        loaded = keras.models.load_model(saved)
+        assert_close(loaded.predict(x, batch_size=16, verbose=0), predicted, f"{case}: model.save()")
     keras.utils.set_random_seed(11)  # (the same frozen weights as the trained model's)
     fresh = tiny_llama()
     keras.utils.set_random_seed(12)  # (other LoRA kernels than the trained ones: the file's must win)
