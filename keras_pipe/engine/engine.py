@@ -41,7 +41,7 @@ from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
 from keras_pipe.mpi.runtime import join_job
-from keras_pipe.schedules import schedule
+from keras_pipe.schedules import schedule, virtual
 from keras_pipe.schedules.actions import check_microbatches
 from keras_pipe.schedules.auto import SchedulePicker
 from keras_pipe.stage.compute import Masked, StageCompute, check_recompute
@@ -103,13 +103,8 @@ class Engine:
         self.virtual_ranks = ranks_of_virtual_stages(self.placement)
         self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
         self.actions = StageActions(schedule_name, self.picker, self.num_stages, self.stage, num_chunks, self.placement)
-        if schedule_name == "interleaved-1f1b" and num_microbatches % self.num_stages:
-            rounded = -(-num_microbatches // self.num_stages) * self.num_stages
-            raise PipelineConfigError(
-                f"schedule='interleaved-1f1b' runs micro-batches in rounds of the {self.num_stages} ranks, but "
-                f"num_microbatches={num_microbatches} is not a multiple of {self.num_stages}: use "
-                f"num_microbatches={rounded}."
-            )
+        if schedule_name == "interleaved-1f1b":
+            virtual.check_whole_rounds(self.num_stages, num_microbatches)
         self.is_first = self.stage == 0
         self.is_last = self.stage == self.last_rank
         first_stages = [pipeline[0] for pipeline in self.layout.pipelines] if self.num_replicas > 1 else []
