@@ -34,8 +34,6 @@ from keras_pipe.stage.masked import Masked
 from keras_pipe.stage.programs import StageProgram
 from keras_pipe.stage.update import StageUpdate, variable_nbytes
 
-RECOMPUTE = ("never", "except_last", "always")
-
 
 class StageCompute:
     """The nodes one rank runs and the compiled programs that run them; its backward and its update as members.
@@ -47,7 +45,8 @@ class StageCompute:
         layers: the layers whose weights the stage holds.
         jit: compile programs with XLA where the layers allow it.
         eager: run everything op by op (``compile(run_eagerly=True)``).
-        recompute: ``"never"``, ``"except_last"`` or ``"always"``.
+        recompute: ``"never"``, ``"except_last"`` or ``"always"`` (checked with the pipeline's options:
+            :meth:`keras_pipe.engine.options.PipelineOptions.resolve`).
         output_structure: last stage: the model's outputs as ``KerasTensor``s (to pack predictions).
         regularized: the layers whose weight regularizers this stage counts (default: all of ``layers``;
             a layer several stages hold is counted by one).
@@ -66,7 +65,6 @@ class StageCompute:
         regularized=None,
         frozen: bool = False,
     ):
-        check_recompute(recompute)
         self.stage = stage
         self.calls = list(calls)
         self.graph = graph
@@ -432,15 +430,6 @@ class StageCompute:
         """Drops whatever a step left behind (after an error, or a replica with no share)."""
         self._backward.forget()
         self.gradients.reset()
-
-
-def check_recompute(value) -> None:
-    """Refuses an unknown ``recompute`` option, naming the accepted ones."""
-    if value not in RECOMPUTE:
-        raise PipelineConfigError(
-            f"recompute={value!r}: give one of {', '.join(map(repr, RECOMPUTE))} (as torchgpipe's checkpoint: "
-            "'always' keeps only each micro-batch's input and reruns its forward during the backward)."
-        )
 
 
 def _unique(items) -> list:
