@@ -136,13 +136,16 @@ class Engine:
 
     # -- building (collective) -------------------------------------------------
 
-    def build(self, model_graph: graphs.ModelGraph, rows: int = 32, release: bool = True) -> list:
-        """Cuts the model's graph into stages and builds this rank's (collective); returns its layers.
+    def build(self, model: keras.Model, batch_size: int | None = None, release: bool = True) -> list:
+        """Cuts the Functional ``model``'s graph into stages and builds this rank's (collective); returns its layers.
 
-        ``rows`` is the micro-batch size ``balance="time"`` measures with. With
+        ``batch_size``: the first batch's, where known: ``balance="time"``
+        measures with one micro-batch of it (else with 32 rows). With
         ``release=False`` the other stages' weights stay where they are
         allocated (until :meth:`release_others`).
         """
+        model_graph = graphs.from_model(model, self.num_stages * self.num_chunks)
+        rows = max(1, batch_size // self.num_microbatches) if batch_size else 32
         plain = model_graph.plain
         if not plain.nodes:
             raise PipelineConfigError("the PipelineModel has no layers; pass a list of layers.")

@@ -172,7 +172,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self._stage_layers = []  # tracked by Keras: this rank's layers, hence its weights (see building)
         self._pipeline_input = None
         self._pipeline_logs = None
-        self._probe_rows = None
+        self._first_batch_size = None  # (the engine measures balance="time" on a micro-batch of it)
         self._call_dtypes = None
         if outputs is not None and inputs is None and layers is not None:
             inputs, layers = layers, None  # PipelineModel(inputs, outputs), as keras.Model(inputs, outputs)
