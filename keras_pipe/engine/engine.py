@@ -34,6 +34,7 @@ from keras_pipe.engine.consistency import StepAgreement
 from keras_pipe.engine.executor import Executor, rows
 from keras_pipe.engine.links import Links
 from keras_pipe.engine.logs import LogSharing
+from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.engine.predictions import PredictionExchange
 from keras_pipe.engine.profile import balance_by_time
 from keras_pipe.engine.stage_actions import StageActions
@@ -42,15 +43,18 @@ from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
 from keras_pipe.mpi.runtime import join_job
 from keras_pipe.schedules import schedule
-from keras_pipe.schedules.actions import check_microbatches
 from keras_pipe.schedules.auto import SchedulePicker
-from keras_pipe.stage.compute import Masked, StageCompute, check_recompute
+from keras_pipe.stage.compute import Masked, StageCompute
 from keras_pipe.stage.losses import divisor_shares
 from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
 
 
 class Engine:
     """The pipeline of one model on this rank (collective to create: every rank creates one).
+
+    Made of the pipeline's :class:`~keras_pipe.engine.options.PipelineOptions` as given, which it resolves
+    against the world once it has joined the job and keeps as ``options`` (``num_microbatches``, ``schedule``,
+    ``num_chunks`` and ``recompute`` read them).
 
     Public attributes: ``world``, ``pipeline`` and ``replicas`` (the
     communicators), ``layout``, ``stage``/``replica`` (this rank's place),
@@ -60,18 +64,8 @@ class Engine:
     (which actions this rank runs) and ``predictions`` (targets and predictions across ranks).
     """
 
-    def __init__(
-        self,
-        num_stages,
-        stall_timeout,
-        num_microbatches,
-        schedule_name: str,
-        balance,
-        recompute="never",
-        split_before=None,
-        num_chunks=None,
-    ):
-        topology = join_job(num_stages, stall_timeout)
+    def __init__(self, options: PipelineOptions):
+        topology = join_job(options.num_stages, options.stall_timeout)
         self.world = topology.world
         self.pipeline = topology.pipeline
         self.replicas = topology.replicas
@@ -80,36 +74,18 @@ class Engine:
         self.replica = topology.replica
         self.num_stages = self.layout.num_stages
         self.num_replicas = self.layout.num_replicas
-        if num_microbatches is None:
-            num_microbatches = 1 if self.num_stages == 1 else 2 * self.num_stages
-        check_microbatches(num_microbatches)
-        schedule.check_name(schedule_name)
-        num_chunks = schedule.default_chunks(schedule_name) if num_chunks is None else num_chunks
-        schedule.check_chunks(schedule_name, num_chunks)
-        check_recompute(recompute)
-        if split_before is not None and balance is not None:
-            raise PipelineConfigError("give balance or split_before, not both: each says where the stages begin.")
-        self.recompute = recompute
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule_name
-        self.picker = SchedulePicker(self.num_stages, num_microbatches) if schedule_name == "auto" else None
-        self.balance_option = balance
-        self.split_before = list(split_before) if split_before is not None else None
+        # (every default filled in and every rule checked there, once: keras_pipe.engine.options)
+        self.options = options.resolve(self.num_stages)
+        self.picker = SchedulePicker(self.num_stages, self.num_microbatches) if self.schedule == "auto" else None
         # Several chunks a rank: the model is cut into num_stages * num_chunks virtual stages, placed as
         # the schedule says (keras_pipe.engine.chunks); the first is always on the first rank, the last not
         # always on the last (ZB-V's V ends where it began).
-        self.num_chunks = num_chunks
-        self.placement = schedule.placement(schedule_name, self.num_stages, num_chunks)
+        self.placement = schedule.placement(self.schedule, self.num_stages, self.num_chunks)
         self.virtual_ranks = ranks_of_virtual_stages(self.placement)
         self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
-        self.actions = StageActions(schedule_name, self.picker, self.num_stages, self.stage, num_chunks, self.placement)
-        if schedule_name == "interleaved-1f1b" and num_microbatches % self.num_stages:
-            rounded = -(-num_microbatches // self.num_stages) * self.num_stages
-            raise PipelineConfigError(
-                f"schedule='interleaved-1f1b' runs micro-batches in rounds of the {self.num_stages} ranks, but "
-                f"num_microbatches={num_microbatches} is not a multiple of {self.num_stages}: use "
-                f"num_microbatches={rounded}."
-            )
+        self.actions = StageActions(
+            self.schedule, self.picker, self.num_stages, self.stage, self.num_chunks, self.placement
+        )
         self.is_first = self.stage == 0
         self.is_last = self.stage == self.last_rank
         first_stages = [pipeline[0] for pipeline in self.layout.pipelines] if self.num_replicas > 1 else []
@@ -137,6 +113,11 @@ class Engine:
         self.jit, self.eager, self.frozen = "auto", False, False
         self._warned_norms: set = set()  # the trainable BatchNormalization layers when last warned about
 
+    num_microbatches = property(lambda self: self.options.num_microbatches, doc="Micro-batches per batch.")
+    schedule = property(lambda self: self.options.schedule, doc='The schedule\'s name (``"auto"`` too).')
+    num_chunks = property(lambda self: self.options.num_chunks, doc="Model chunks (virtual stages) a rank.")
+    recompute = property(lambda self: self.options.recompute, doc="Activation recomputation.")
+
     def configure(self, jit, eager: bool, frozen: bool = False) -> None:
         """How the stage compiles its programs (``compile(jit_compile=True | False | "auto", run_eagerly=...)``).
 
@@ -155,13 +136,16 @@ class Engine:
 
     # -- building (collective) -------------------------------------------------
 
-    def build(self, model_graph: graphs.ModelGraph, rows: int = 32, release: bool = True) -> list:
-        """Cuts the model's graph into stages and builds this rank's (collective); returns its layers.
+    def build(self, model: keras.Model, batch_size: int | None = None, release: bool = True) -> list:
+        """Cuts the Functional ``model``'s graph into stages and builds this rank's (collective); returns its layers.
 
-        ``rows`` is the micro-batch size ``balance="time"`` measures with. With
+        ``batch_size``: the first batch's, where known: ``balance="time"``
+        measures with one micro-batch of it (else with 32 rows). With
         ``release=False`` the other stages' weights stay where they are
         allocated (until :meth:`release_others`).
         """
+        model_graph = graphs.from_model(model, self.num_stages * self.num_chunks)
+        rows = max(1, batch_size // self.num_microbatches) if batch_size else 32
         plain = model_graph.plain
         if not plain.nodes:
             raise PipelineConfigError("the PipelineModel has no layers; pass a list of layers.")
@@ -203,11 +187,12 @@ class Engine:
     def _sizes(self, model_graph, virtual: int, rows: int) -> list[int]:
         """Nodes per (virtual) stage, as ``split_before`` or ``balance`` say."""
         plain = model_graph.plain
-        if self.split_before is not None:
-            sizes = cuts.sizes_before(plain, self.split_before, virtual)
-        elif self.balance_option is None:
+        balance, split_before = self.options.balance, self.options.split_before
+        if split_before is not None:
+            sizes = cuts.sizes_before(plain, list(split_before), virtual)
+        elif balance is None:
             sizes = cuts.balance_by_cost([node.cost for node in plain.nodes], virtual)
-        elif isinstance(self.balance_option, str) and self.balance_option == "time":
+        elif isinstance(balance, str) and balance == "time":
             if self.num_chunks > 1:
                 raise PipelineConfigError(
                     f"balance='time' times one stage a rank; with num_chunks={self.num_chunks} give balance=None "
@@ -215,7 +200,7 @@ class Engine:
                 )
             sizes = balance_by_time(model_graph, self.num_stages, self.world, self.stage, rows)
         else:
-            sizes = cuts.sizes_of_layers(plain, self.balance_option, virtual)
+            sizes = cuts.sizes_of_layers(plain, balance, virtual)
         return sizes
 
     def _finish_build(self, model_graph, the_cut, sizes, release: bool) -> list:

@@ -212,10 +212,8 @@ class ModelBuilding:
         if self._source is None:
             spec = None if input_shape is None else shapes_to_specs(input_shape, self._call_dtypes)
             self._build_graph(spec)
-        rows = getattr(self, "_probe_rows", None) or 32
         self.engine.frozen = not self.trainable  # (the layers' own flags are left as they are, as Keras does)
-        stages = self.engine.num_stages * self.engine.num_chunks
-        own = self.engine.build(graphs.from_model(self._source, stages), rows, release=release)
+        own = self.engine.build(self._source, getattr(self, "_first_batch_size", None), release=release)
         self._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
         self._stage_layers.extend(own)
         self.built = True
@@ -234,7 +232,7 @@ class ModelBuilding:
         if self.engine.built:
             return
         first = keras.tree.flatten(x)[0]
-        self._probe_rows = max(1, int(first.shape[0]) // self.engine.num_microbatches)
+        self._first_batch_size = int(first.shape[0])
         if self._source is None and self._pipeline_input is None and self._first_layer_input() is None:
             self._build_graph(keras.tree.map_structure(lambda a: ((None,) + tuple(a.shape[1:]), _dtype(a)), x))
         self._build()

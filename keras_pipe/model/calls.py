@@ -1,7 +1,7 @@
 """Internal: what every ``fit``/``evaluate``/``predict`` does around Keras' own loop.
 
 Before the call, the ranks check that they all made the same call on the
-same model (:mod:`keras_pipe.engine.consistency`), only rank 0 keeps its progress
+same model (:mod:`keras_pipe.model.fingerprint`), only rank 0 keeps its progress
 bar, callbacks are adapted for several ranks (:mod:`keras_pipe.model.callbacks`)
 and, with replicas, shuffling is seeded alike and weights are copied from
 the first replica. Each step then starts with a tiny agreement that every
@@ -18,15 +18,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat
-from keras_pipe.engine.consistency import (
-    COMPARED_ARGUMENTS,
-    batch_digest,
-    describe_argument,
-    model_fingerprint,
-)
+from keras_pipe.engine.consistency import COMPARED_ARGUMENTS, batch_digest, describe_argument
 from keras_pipe.model import compile_checks
 from keras_pipe.model import weights as _weights
 from keras_pipe.model.callbacks import adapt_callbacks
+from keras_pipe.model.fingerprint import model_fingerprint
 from keras_pipe.mpi.agreement import check_same_everywhere
 
 

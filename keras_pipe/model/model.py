@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras_pipe import compat
 from keras_pipe.engine.engine import Engine
 from keras_pipe.engine.logs import ModelLogs
+from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.model import compile_checks, hub
 from keras_pipe.model import summary as summaries
@@ -132,20 +133,20 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         outputs=None,
         *,
         inputs=None,
-        num_microbatches: int | None = None,
-        balance: Sequence[int] | str | None = None,
-        split_before: Sequence[str] | None = None,
-        schedule: str = "1f1b",
-        num_chunks: int | None = None,
-        num_stages: int | None = None,
-        stall_timeout: float | None = None,
-        recompute: str = "never",
+        num_microbatches: int | None = PipelineOptions.num_microbatches,
+        balance: Sequence[int] | str | None = PipelineOptions.balance,
+        split_before: Sequence[str] | None = PipelineOptions.split_before,
+        schedule: str = PipelineOptions.schedule,
+        num_chunks: int | None = PipelineOptions.num_chunks,
+        num_stages: int | None = PipelineOptions.num_stages,
+        stall_timeout: float | None = PipelineOptions.stall_timeout,
+        recompute: str = PipelineOptions.recompute,
         name: str | None = None,
         trainable: bool = True,
         dtype=None,
     ):
         super().__init__(name=name, trainable=trainable, dtype=dtype)
-        options = dict(
+        options = PipelineOptions(
             num_microbatches=num_microbatches,
             balance=balance,
             split_before=split_before,
@@ -155,10 +156,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             stall_timeout=stall_timeout,
             recompute=recompute,
         )
-        object.__setattr__(self, "_options", options)  # (for get_config)
-        engine = Engine(
-            num_stages, stall_timeout, num_microbatches, schedule, balance, recompute, split_before, num_chunks
-        )
+        object.__setattr__(self, "_options", options)  # as given (get_config writes it)
+        engine = Engine(options)  # (it resolves and checks them against the world, once)
         # Not tracked by Keras: only this rank's stage layers are (so that
         # `trainable_variables`, the optimizer and saving see this rank's).
         object.__setattr__(self, "engine", engine)
@@ -173,7 +172,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self._stage_layers = []  # tracked by Keras: this rank's layers, hence its weights (see building)
         self._pipeline_input = None
         self._pipeline_logs = None
-        self._probe_rows = None
+        self._first_batch_size = None  # (the engine measures balance="time" on a micro-batch of it)
         self._call_dtypes = None
         if outputs is not None and inputs is None and layers is not None:
             inputs, layers = layers, None  # PipelineModel(inputs, outputs), as keras.Model(inputs, outputs)

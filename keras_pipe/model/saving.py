@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from keras_pipe import compat
+from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.errors import PipelineIOError
 from keras_pipe.graph import trace as traces
 from keras_pipe.model.weights import copy_from_first_replica, ordered
@@ -422,16 +423,7 @@ def write_atomically(filepath, overwrite: bool, write) -> None:
         write(temporary)
 
 
-_DEFAULTS = dict(
-    num_microbatches=None,
-    balance=None,
-    split_before=None,
-    schedule="1f1b",
-    num_chunks=None,
-    num_stages=None,
-    stall_timeout=None,
-    recompute="never",
-)
+_DEFAULTS = PipelineOptions.defaults()
 
 
 class SavingMethods:
@@ -446,7 +438,7 @@ class SavingMethods:
         config = {"name": self.name, "trainable": self.trainable}
         if self.dtype_policy.name != keras.config.dtype_policy().name:
             config["dtype"] = keras.dtype_policies.serialize(self.dtype_policy)
-        config.update({k: v for k, v in self._options.items() if v != _DEFAULTS[k]})
+        config.update(self._options.given())
         if self._from_graph:
             config["model"] = keras.saving.serialize_keras_object(self._source)
             return config
@@ -506,7 +498,7 @@ class SavingMethods:
             )
         size = world.bcast_json(None if data is None else int(data.size), root=ROOT)
         data = world.bcast_array(data if data is not None else np.empty(size, np.uint8), root=ROOT)
-        options = {k: v for k, v in self._options.items() if v != _DEFAULTS[k]}
+        options = self._options.given()
         return (type(self)._unpickled, (data.tobytes(), dict(options, name=self.name)))
 
     @classmethod

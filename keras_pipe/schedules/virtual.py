@@ -64,6 +64,26 @@ def v_placement(num_ranks: int) -> list[list[int]]:
     return [[r, 2 * num_ranks - 1 - r] for r in range(num_ranks)]
 
 
+def whole_rounds(num_ranks: int, num_microbatches: int) -> bool:
+    """Whether interleaved 1F1B can run ``num_microbatches``: rounds of ``num_ranks``, every round whole.
+
+    >>> whole_rounds(4, 8), whole_rounds(4, 6)
+    (True, False)
+    """
+    return num_microbatches % num_ranks == 0
+
+
+def check_whole_rounds(num_ranks: int, num_microbatches: int) -> None:
+    """Raises :class:`PipelineConfigError` unless :func:`whole_rounds`, naming the nearest count that is."""
+    if not whole_rounds(num_ranks, num_microbatches):
+        rounded = -(-num_microbatches // num_ranks) * num_ranks
+        raise PipelineConfigError(
+            f"schedule='interleaved-1f1b' runs micro-batches in rounds of the {num_ranks} ranks, but "
+            f"num_microbatches={num_microbatches} is not a multiple of {num_ranks}: use "
+            f"num_microbatches={rounded}."
+        )
+
+
 def interleaved_one_f_one_b(
     num_ranks: int, num_microbatches: int, num_chunks: int, split_backward: bool = False, hold: dict | None = None
 ) -> list[list[Action]]:
@@ -91,12 +111,7 @@ def interleaved_one_f_one_b(
     check_count("num_chunks", num_chunks, "1: one stage a rank")
     if num_chunks == 1:  # (Megatron's warm-up counts 2 (P - r - 1) there: one chunk is plain 1F1B)
         return one_f_one_b(num_ranks, num_microbatches, split_backward, hold)
-    if num_microbatches % num_ranks:
-        raise PipelineConfigError(
-            f"interleaved 1F1B runs micro-batches in rounds of the {num_ranks} ranks, but num_microbatches="
-            f"{num_microbatches} is not a multiple of {num_ranks}: use num_microbatches="
-            f"{(num_microbatches // num_ranks + 1) * num_ranks}."
-        )
+    check_whole_rounds(num_ranks, num_microbatches)
     p, v, m = num_ranks, num_chunks, num_microbatches
     total = m * v
 

@@ -1,41 +1,117 @@
 """Internal: a stage's backward — split (``I`` then a batched ``W``) or recorded — and what it holds meanwhile.
 
-The part of :class:`~keras_pipe.stage.compute.StageCompute` that differentiates
-(a mixin: ``StageCompute`` provides the state):
+:class:`StageBackward` is the backward of one stage's compute
+(:class:`~keras_pipe.stage.compute.StageCompute` holds one, made again
+whenever what trains or what splits changes); everything it reads is given
+to its constructor:
 
 - **split** (every node replayable, :mod:`keras_pipe.stage.replay`): ``F`` keeps
-  each step's inputs, ``I`` computes the input gradients alone and keeps
-  each weighted step's output gradients until ``W`` (:mod:`keras_pipe.stage.update`)
-  computes the weight gradients of many micro-batches in one pass. What a
+  each step's inputs (:meth:`StageBackward.keep`), ``I`` computes the input
+  gradients alone and holds each weighted step's inputs and output gradients
+  until ``W`` (:mod:`keras_pipe.stage.update`) computes the weight gradients of
+  many micro-batches in one pass (:meth:`StageBackward.take_held`). What a
   micro-batch holds in flight and for its ``W`` is estimated from the graph's
   shapes, or measured on the first one, so that the schedule can bound it
   (:func:`keras_pipe.schedules.schedule.hold_for`);
 - **recorded** (any other stage): ``F`` runs under an eager
-  ``tf.GradientTape`` that records the compiled forward as one op, and ``B``
-  runs TensorFlow's gradient of it, keeping the activations the forward
-  kept; weight gradients are added to accumulators. With recomputation the
+  ``tf.GradientTape`` that records the compiled forward as one op
+  (:meth:`StageBackward.record`), and ``B`` runs TensorFlow's gradient of it,
+  keeping the activations the forward kept; weight gradients are added to the
+  :class:`~keras_pipe.stage.gradients.GradientSum`. With recomputation the
   forward keeps only its input and ``B`` reruns it (:class:`_Rerun`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import compat
-from keras_pipe.errors import PipelineConfigError
 from keras_pipe.stage import replay
-from keras_pipe.stage.gradients import lookup_form
+from keras_pipe.stage.gradients import watch_weights
 from keras_pipe.stage.masked import Masked
-from keras_pipe.stage.update import variable_nbytes
+
+
+class Forward(NamedTuple):
+    """The pieces of a stage's forward its backward runs again (``StageCompute``'s methods)."""
+
+    run: Callable
+    """``(inputs, training, keep=False) -> (values, activity loss, kept step inputs, seeds)``: the nodes."""
+    head: Callable
+    """``(loss, values, y, sample_weight) -> (term values, divisors)``: last stage, the loss on the outputs."""
+    predictions: Callable
+    """``values -> [model output]``: last stage, the model outputs (``Masked`` where one carries a mask)."""
 
 
 class StageBackward:
-    """Backward methods of a stage's compute (a mixin: ``StageCompute`` provides the state)."""
+    """The backward of one stage: split (``I``, then ``W`` of many micro-batches) or recorded (``B``).
 
-    def _recorded(self, i: int, program, inputs, args: tuple, recompute: bool, differentiated):
+    Args:
+        forward: the stage's :class:`Forward`.
+        stage: the stage's :class:`~keras_pipe.graph.cut.Stage` (``index``, ``inputs``, ``outputs``).
+        num_sends: how many of ``stage.outputs`` go to later stages (the rest are model outputs).
+        last: whether the stage computes the loss.
+        tensors: the graph's tensors (their shapes: :meth:`estimate_holding`).
+        split: whether the backward is split (every node replayable); ``steps``: then the replayed steps.
+        variables: the weights that train (``compat.trained_weights``).
+        gradients: the :class:`~keras_pipe.stage.gradients.GradientSum` the weight gradients go into.
+        program: ``(key, function, random=False) -> program``, the stage's compiled programs.
+        generators: the random generators' state variables (a recomputed forward draws the same numbers).
+        forward_updates: every other variable a forward updates (a recomputed forward puts them back).
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        stage,
+        num_sends: int,
+        last: bool,
+        tensors,
+        split: bool,
+        steps: list,
+        variables: list,
+        gradients,
+        program,
+        generators: list,
+        forward_updates: list,
+    ):
+        self.forward = forward
+        self.stage = stage
+        self.num_sends = num_sends
+        self.last = last
+        self.tensors = tensors
+        self.split = split
+        self.steps = steps
+        self.variables = variables
+        self.gradients = gradients
+        self._program = program
+        self._generators = generators
+        self._forward_updates = forward_updates
+        self.gradient_inputs = [c.tensor for c in stage.receives if c.gradient]
+        self.gradient_outputs = [c.tensor for c in stage.sends if c.gradient]
+        self._weighted = [k for k, step in enumerate(steps) if step.variables]
+        self._head_from = self._first_head_step() if split else 0
+        self._kept: dict = {}  # micro-batch -> what its backward needs
+        self._held: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps, until its W
+        # what one micro-batch holds from its F to its I, and from its I to its W (measured on the first)
+        self.kept_bytes: int | None = None
+        self.held_bytes: int | None = None
+
+    def forget(self) -> None:
+        """Drops what the step's micro-batches kept (after an error, or a replica with no share)."""
+        self._kept.clear()
+        self._held.clear()
+
+    # -- what the forward keeps ---------------------------------------------------
+
+    def keep(self, i: int, kept, seeds) -> None:
+        """Split: keeps micro-batch ``i``'s steps' inputs and seeds for its ``I``; the first one's size is measured."""
+        self._kept[i] = (kept, seeds)
+        if self.kept_bytes is None:
+            self.kept_bytes = _distinct_bytes(t for step_inputs in kept for t in step_inputs)
+
+    def record(self, i: int, program, inputs, args: tuple, recompute: bool, differentiated):
         """Runs ``program(inputs, *args)`` for a recorded backward: under a tape, or keeping only its input.
 
         ``differentiated(outputs)`` picks the outputs the backward seeds.
@@ -46,16 +122,14 @@ class StageBackward:
         tape = tf.GradientTape()
         with tape:
             tape.watch(self._gradient_sources(inputs))
-            self._watch_weights(tape)
+            watch_weights(tape, self.variables)
             outputs = program(inputs, *args)
         self._kept[i] = (tape, inputs, differentiated(outputs))
         return outputs
 
-    def _watch_weights(self, tape) -> None:
-        """Watches the weights that train: a tape watches only variables whose ``tf.Variable`` is trainable, and
-        one allocated while its layer was frozen (a model frozen before the pipeline gave it memory, then
-        unfrozen) is not, whatever its Keras flag says now; Keras' flag decides (``compat.trained_weights``)."""
-        tape.watch([compat.variable_handle(v) for v in self.trainable_variables])
+    def take_held(self, microbatches) -> list:
+        """What ``W`` of ``microbatches`` needs: each one's weighted steps' (inputs, output gradients), let go here."""
+        return [self._held.pop(i) for i in microbatches]
 
     def _gradient_sources(self, inputs) -> list:
         """The input tensors whose gradients go back to earlier stages."""
@@ -65,41 +139,6 @@ class StageBackward:
                 sources.append(value.tensor if isinstance(value, Masked) else value)
         return sources
 
-    def sparse_forms(self) -> dict:
-        """``{position: form}`` of the sparse gradients of the trainable variables (:mod:`keras_pipe.stage.gradients`).
-
-        Read once from the stage's forward and gradient traced (never run)
-        on inputs without a batch size: the count of a lookup's slices is
-        then known only where its ids do not come from the batch.
-        """
-        if self._sparse_forms is None:
-            if self._input_specs is None:
-                raise PipelineConfigError("a sparse gradient before any training forward (a bug in keras_pipe)")
-            forms = {}
-
-            def trace(inputs):
-                with tf.GradientTape() as tape:
-                    self._watch_weights(tape)
-                    values, total, _, _ = self._run(inputs, True)
-                    for t in self.stage.outputs:
-                        if values[t].dtype.is_floating:
-                            total += tf.reduce_sum(tf.cast(values[t], tf.float32))
-                grads = tape.gradient(total, self.trainable_variables)
-                sparse = [(i, g) for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-                forms.update({i: lookup_form(g.indices) for i, g in sparse})
-                return tf.constant(0)
-
-            try:
-                tf.function(trace, autograph=False).get_concrete_function(self._input_specs)
-            except Exception as error:  # noqa: BLE001 (any layer's error while tracing without a batch size)
-                raise PipelineConfigError(
-                    f"stage {self.stage.index} gives an embedding a sparse gradient over several micro-batches, and "
-                    "how its slices add up is read from the stage traced without a batch size, which failed "
-                    f"({type(error).__name__}: {str(error)[:300]}). Use num_microbatches=1."
-                ) from error
-            self._sparse_forms = forms
-        return self._sparse_forms
-
     # -- backward -----------------------------------------------------------
 
     def forward_backward(self, i: int, loss, inputs, y, sample_weight, coefficients):
@@ -107,11 +146,11 @@ class StageBackward:
         if self.split:
 
             def forward_input(inputs, y, sample_weight, coefficients):
-                values, activity, kept, seeds = self._run(inputs, True, keep=True)
+                values, activity, kept, seeds = self.forward.run(inputs, True, keep=True)
                 terms_out = []
 
                 def head(values):
-                    terms, _ = self._head(loss, values, y, sample_weight)
+                    terms, _ = self.forward.head(loss, values, y, sample_weight)
                     terms_out.append(terms)
                     return tf.reduce_sum(terms * coefficients[:-1])
 
@@ -129,7 +168,13 @@ class StageBackward:
                 )
                 terms = terms_out[-1]
                 total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
-                return total, terms, self._predictions(values), _filled(dx, inputs, self), self._parts(kept, step_grads)
+                return (
+                    total,
+                    terms,
+                    self.forward.predictions(values),
+                    _filled(dx, inputs, self),
+                    self._parts(kept, step_grads),
+                )
 
             total, terms, predictions, dx, parts = self._program(
                 ("forward_input", id(loss)), forward_input, random=True
@@ -141,14 +186,14 @@ class StageBackward:
             sources_in = self._gradient_sources(inputs)
             with tf.GradientTape() as tape:
                 tape.watch(sources_in)
-                self._watch_weights(tape)
-                values, activity, _, _ = self._run(inputs, True)
-                terms, _ = self._head(loss, values, y, sample_weight)
+                watch_weights(tape, self.variables)
+                values, activity, _, _ = self.forward.run(inputs, True)
+                terms, _ = self.forward.head(loss, values, y, sample_weight)
                 total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
-            grads = tape.gradient(total, sources_in + self.trainable_variables)
+            grads = tape.gradient(total, sources_in + self.variables)
             dx = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[: len(sources_in)], sources_in)]
             sparse = self.gradients.add_in_graph(grads[len(sources_in) :], first)
-            return total, terms, self._predictions(values), dx, sparse
+            return total, terms, self.forward.predictions(values), dx, sparse
 
         first = self.gradients.prepare()
         total, terms, predictions, dx, sparse = self._program(
@@ -183,7 +228,7 @@ class StageBackward:
             return self._rerun_backward(kept, grads, activity_scale)
         tape, inputs, outputs = kept
         sources_in = self._gradient_sources(inputs)
-        sources = sources_in + self.trainable_variables
+        sources = sources_in + self.variables
         output_grads = list(grads) + [tf.constant(activity_scale, tf.float32)]
         all_grads = tape.gradient(outputs, sources, output_gradients=output_grads)
         del tape, outputs  # the activations this micro-batch kept
@@ -193,7 +238,7 @@ class StageBackward:
 
     def _hold(self, i: int, parts) -> None:
         """Keeps micro-batch ``i``'s ``parts`` for its ``W``; the first one's size says what holding costs."""
-        self._for_weights[i] = parts
+        self._held[i] = parts
         if self.held_bytes is None:
             self.held_bytes = _distinct_bytes(t for part in parts if part is not None for side in part for t in side)
 
@@ -205,7 +250,7 @@ class StageBackward:
         """
         if not self.split or self.held_bytes is not None:
             return
-        tensors = self.graph.tensors
+        tensors = self.tensors
 
         def info(t: int, step):
             return tensors[t] if t < len(tensors) else tensors[step.call.outputs[0]]  # (a core's output)
@@ -227,12 +272,7 @@ class StageBackward:
                 held += sum(sizes)
         if any(size is None for size in kept.values()):
             return
-        last = self.output_structure is not None
-        self.kept_bytes, self.held_bytes = (None if last else sum(kept.values())), held
-
-    def _weight_bytes(self) -> int:
-        """The bytes of the stage's trainable weights (what writing their gradients costs once)."""
-        return sum(map(variable_nbytes, self.trainable_variables))
+        self.kept_bytes, self.held_bytes = (None if self.last else sum(kept.values())), held
 
     def _parts(self, kept, step_grads):
         """(inputs, output gradients) of each weighted step that got a gradient: what ``W`` needs."""
@@ -240,14 +280,14 @@ class StageBackward:
 
     def _first_head_step(self) -> int:
         """Last stage: the first step that writes a model output (it and every later one replay with the loss)."""
-        if self.output_structure is None:
+        if not self.last:
             return len(self.steps)
         outputs = set(self.stage.outputs[self.num_sends :])
         positions = [k for k, step in enumerate(self.steps) if outputs & set(step.outputs)]
         return min(positions) if positions else len(self.steps)
 
     def _random_state(self) -> list:
-        return [tf.identity(v) for v in self._generator_states]
+        return [tf.identity(v) for v in self._generators]
 
     def _rerun_backward(self, rerun: _Rerun, grads, activity_scale: float):
         """``B`` of a recomputed micro-batch, one compiled program: its forward again, then its backward.
@@ -258,7 +298,7 @@ class StageBackward:
         The weight gradients go into the accumulators inside the program, so
         none is materialized beside them.
         """
-        generators, others = self._generator_states, self._forward_updates
+        generators, others = self._generators, self._forward_updates
 
         def rerun_backward(inputs, args, states, grads, activity_scale, first):
             now = [tf.identity(v) for v in generators]
@@ -268,10 +308,10 @@ class StageBackward:
             sources_in = self._gradient_sources(inputs)
             with tf.GradientTape() as tape:
                 tape.watch(sources_in)
-                self._watch_weights(tape)
+                watch_weights(tape, self.variables)
                 outputs = rerun.differentiated(rerun.program.python(inputs, *args))
             all_grads = tape.gradient(
-                outputs, sources_in + self.trainable_variables, output_gradients=list(grads) + [activity_scale]
+                outputs, sources_in + self.variables, output_gradients=list(grads) + [activity_scale]
             )
             for variable, value in zip(generators + others, now + before):
                 variable.assign(value)
@@ -299,17 +339,17 @@ class _Rerun(NamedTuple):
     differentiated: object
 
 
-def _filled(dx, inputs, compute) -> list:
+def _filled(dx, inputs, backward: StageBackward) -> list:
     """Input gradients with zeros where nothing in the stage read an input."""
-    like = dict(zip(compute.stage.inputs, inputs))
-    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, compute.gradient_inputs)]
+    like = dict(zip(backward.stage.inputs, inputs))
+    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, backward.gradient_inputs)]
 
 
-def _filled_from_kept(dx, kept, compute) -> list:
+def _filled_from_kept(dx, kept, backward: StageBackward) -> list:
     like = {}
-    for step, step_inputs in zip(compute.steps, kept):
+    for step, step_inputs in zip(backward.steps, kept):
         like.update(zip(step.inputs, step_inputs))
-    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, compute.gradient_inputs)]
+    return [_zeros_like(like[t]) if g is None else g for g, t in zip(dx, backward.gradient_inputs)]
 
 
 def unbatched_spec(value):

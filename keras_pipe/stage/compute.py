@@ -10,10 +10,13 @@ stage, received tensors elsewhere) as a list, runs its nodes
 travels as a :class:`Masked` pair.
 
 Each method runs one compiled program per micro-batch (or per batch, for
-``W``; see :mod:`keras_pipe.stage.programs`). The forward is here; the backward,
-split (``I`` then a batched ``W``) or recorded under a tape, is
-:mod:`keras_pipe.stage.backward`; the batched ``W`` and the update are
-:mod:`keras_pipe.stage.update`.
+``W``; see :mod:`keras_pipe.stage.programs`). The forward is here; a
+:class:`StageCompute` holds two members it makes in :meth:`StageCompute._prepare`,
+each given what it needs: its backward (split, ``I`` then a batched ``W``, or
+recorded under a tape: :class:`~keras_pipe.stage.backward.StageBackward`) and
+its update (the batched ``W``, regularization, norms, the optimizer:
+:class:`~keras_pipe.stage.update.StageUpdate`). The executor calls the
+compute's methods only; those of the backward and the update delegate.
 """
 
 from __future__ import annotations
@@ -24,18 +27,16 @@ import tensorflow as tf
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.stage import replay
-from keras_pipe.stage.backward import StageBackward, _distinct_bytes, unbatched_spec
+from keras_pipe.stage.backward import Forward, StageBackward, unbatched_spec
 from keras_pipe.stage.batchnorm import DeferredBatchNormalization
-from keras_pipe.stage.gradients import GradientSum
+from keras_pipe.stage.gradients import GradientSum, lookup_form, watch_weights
 from keras_pipe.stage.masked import Masked
 from keras_pipe.stage.programs import StageProgram
-from keras_pipe.stage.update import StageUpdate
-
-RECOMPUTE = ("never", "except_last", "always")
+from keras_pipe.stage.update import StageUpdate, variable_nbytes
 
 
-class StageCompute(StageBackward, StageUpdate):
-    """The nodes one rank runs and the compiled programs that run them.
+class StageCompute:
+    """The nodes one rank runs and the compiled programs that run them; its backward and its update as members.
 
     Args:
         stage: this rank's :class:`~keras_pipe.graph.cut.Stage`.
@@ -44,7 +45,8 @@ class StageCompute(StageBackward, StageUpdate):
         layers: the layers whose weights the stage holds.
         jit: compile programs with XLA where the layers allow it.
         eager: run everything op by op (``compile(run_eagerly=True)``).
-        recompute: ``"never"``, ``"except_last"`` or ``"always"``.
+        recompute: ``"never"``, ``"except_last"`` or ``"always"`` (checked with the pipeline's options:
+            :meth:`keras_pipe.engine.options.PipelineOptions.resolve`).
         output_structure: last stage: the model's outputs as ``KerasTensor``s (to pack predictions).
         regularized: the layers whose weight regularizers this stage counts (default: all of ``layers``;
             a layer several stages hold is counted by one).
@@ -63,7 +65,6 @@ class StageCompute(StageBackward, StageUpdate):
         regularized=None,
         frozen: bool = False,
     ):
-        check_recompute(recompute)
         self.stage = stage
         self.calls = list(calls)
         self.graph = graph
@@ -76,11 +77,8 @@ class StageCompute(StageBackward, StageUpdate):
         self.gradient_outputs = [c.tensor for c in stage.sends if c.gradient]
         self.num_sends = len(stage.sends)
         self._programs: dict = {}
-        self._groups: dict = {}  # optimizer id -> how its update is cut (update.py)
         self._checks: list | None = None  # while a checked program traces: (note, [min, max]) to verify
         self._input_specs: list | None = None  # a training micro-batch's inputs, without a batch size
-        self._kept: dict = {}  # micro-batch -> what its backward needs
-        self._for_weights: dict = {}  # micro-batch -> (inputs, output gradients) of weighted steps
         self.regularized_layers = list(layers) if regularized is None else list(regularized)
         # what a recomputed forward reads (the random generators' state) and updates (the rest)
         self._generator_states = _unique(
@@ -107,7 +105,7 @@ class StageCompute(StageBackward, StageUpdate):
         # (a frozen model, trainable=False, trains nothing, whatever its layers' flags say: Keras' Model does so)
         weights = () if self.frozen else (v for layer in self.layers for v in compat.trained_weights(layer))
         self.trainable_variables = _unique(weights)
-        self.weight_bytes = self._weight_bytes()
+        self.weight_bytes = sum(map(variable_nbytes, self.trainable_variables))
         self.gradients = GradientSum(self.trainable_variables, self._program, self.sparse_forms)
         self._sparse_forms: dict | None = None
         self.has_weight_regularizers = not self.frozen and any(
@@ -122,13 +120,31 @@ class StageCompute(StageBackward, StageUpdate):
         self.why_recorded = reasons[0] if reasons else None
         first_free = len(self.graph.tensors)
         self.steps = replay.steps_of(self.calls, first_free) if self.split else []
-        self._head_from = self._first_head_step() if self.split else 0
         self._weighted = [k for k, step in enumerate(self.steps) if step.variables]
-        # what one micro-batch holds from its F to its I, and from its I to its W (measured on the first)
-        self.kept_bytes: int | None = None
-        self.held_bytes: int | None = None
         self._programs.clear()
-        self._groups.clear()
+        # the members, made again from what changed (what they held of a step is gone, as between steps)
+        self._backward = StageBackward(
+            Forward(self._run, self._head, self._predictions),
+            self.stage,
+            self.num_sends,
+            self.output_structure is not None,
+            self.graph.tensors,
+            self.split,
+            self.steps,
+            self.trainable_variables,
+            self.gradients,
+            self._program,
+            self._generator_states,
+            self._forward_updates,
+        )
+        self._update = StageUpdate(
+            self.trainable_variables,
+            self.steps,
+            self.regularized_layers,
+            self.gradients,
+            self._program,
+            self.weight_bytes,
+        )
 
     def configure(self, jit, eager: bool, frozen: bool = False) -> None:
         """Changes how programs compile (after ``compile()``); forgets the compiled ones.
@@ -262,9 +278,7 @@ class StageCompute(StageBackward, StageUpdate):
                 return self._sends(values) + self._predictions(values), activity, kept, seeds
 
             outputs, activity, kept, seeds = self._program(("forward", True), keep, random=True)(list(inputs))
-            self._kept[i] = (kept, seeds)
-            if self.kept_bytes is None:
-                self.kept_bytes = _distinct_bytes(t for step_inputs in kept for t in step_inputs)
+            self._backward.keep(i, kept, seeds)
             return outputs, activity
 
         def train(inputs):
@@ -272,7 +286,7 @@ class StageCompute(StageBackward, StageUpdate):
             return self._sends(values) + self._predictions(values), activity
 
         program = self._program(("forward", True), train, random=True)
-        return self._recorded(i, program, list(inputs), (), recompute, self._differentiated_sends)
+        return self._backward.record(i, program, list(inputs), (), recompute, self._differentiated_sends)
 
     def _differentiated_sends(self, out):
         outputs, activity = out
@@ -308,7 +322,97 @@ class StageCompute(StageBackward, StageUpdate):
         program = self._program(("forward_head", id(loss), training), head, random=training)
         if not training:
             return program(list(inputs), y, sample_weight)
-        return self._recorded(i, program, list(inputs), (y, sample_weight), recompute, lambda out: [out[0], out[3]])
+        return self._backward.record(
+            i, program, list(inputs), (y, sample_weight), recompute, lambda out: [out[0], out[3]]
+        )
+
+    # -- the backward and the update: the members' -------------------------------
+
+    def forward_backward(self, i: int, loss, inputs, y, sample_weight, coefficients):
+        """Last stage, ``FB`` or ``FI``: ``(weighted loss, term values, predictions, input gradients)``."""
+        return self._backward.forward_backward(i, loss, inputs, y, sample_weight, coefficients)
+
+    def backward(self, i: int, grads: list, activity_scale: float):
+        """``B`` (recorded) or ``I`` (split) of micro-batch ``i`` given its outputs' gradients; the input gradients."""
+        return self._backward.backward(i, grads, activity_scale)
+
+    def estimate_holding(self, rows: int) -> None:
+        """What a micro-batch of ``rows`` holds in flight and for its ``W``, from the graph's shapes, if all known."""
+        self._backward.estimate_holding(rows)
+
+    @property
+    def kept_bytes(self) -> int | None:
+        """What one micro-batch holds from its ``F`` to its ``I`` (estimated or measured; ``None``: not yet)."""
+        return self._backward.kept_bytes
+
+    @property
+    def held_bytes(self) -> int | None:
+        """What one micro-batch holds from its ``I`` to its ``W`` (estimated or measured; ``None``: not yet)."""
+        return self._backward.held_bytes
+
+    def weights(
+        self,
+        microbatches,
+        activity_scale: float,
+        regularize: bool,
+        optimizer=None,
+        loss_scale: float = 1.0,
+        counts: bool = True,
+    ) -> None:
+        """``W`` over ``microbatches`` (:meth:`StageUpdate.weights <keras_pipe.stage.update.StageUpdate.weights>`)."""
+        parts = self._backward.take_held(microbatches)
+        self._update.weights(parts, activity_scale, regularize, optimizer, loss_scale, counts)
+
+    def add_regularization(self, loss_scale: float = 1.0) -> tf.Tensor:
+        """Adds the weight regularizers' gradients (recorded backward), times ``loss_scale``; returns their loss."""
+        return self._update.add_regularization(loss_scale)
+
+    def regularization_loss(self) -> tf.Tensor:
+        """The loss of this stage's weight regularizers (counted once per batch, as Keras does)."""
+        return self._update.regularization_loss()
+
+    def apply(self, optimizer, grads=None, scale: float | None = None) -> None:
+        """One optimizer step with ``grads`` (summed over replicas) or this step's summed gradients."""
+        self._update.apply(optimizer, grads, scale)
+
+    def squared_norm(self, grads, counted=None) -> float:
+        """This stage's share of the whole model's squared gradient norm, as Keras' ``global_norm`` counts it."""
+        return self._update.squared_norm(grads, counted)
+
+    def sparse_forms(self) -> dict:
+        """``{position: form}`` of the sparse gradients of the trainable variables (:mod:`keras_pipe.stage.gradients`).
+
+        Read once from the stage's forward and gradient traced (never run)
+        on inputs without a batch size: the count of a lookup's slices is
+        then known only where its ids do not come from the batch.
+        """
+        if self._sparse_forms is None:
+            if self._input_specs is None:
+                raise PipelineConfigError("a sparse gradient before any training forward (a bug in keras_pipe)")
+            forms = {}
+
+            def trace(inputs):
+                with tf.GradientTape() as tape:
+                    watch_weights(tape, self.trainable_variables)
+                    values, total, _, _ = self._run(inputs, True)
+                    for t in self.stage.outputs:
+                        if values[t].dtype.is_floating:
+                            total += tf.reduce_sum(tf.cast(values[t], tf.float32))
+                grads = tape.gradient(total, self.trainable_variables)
+                sparse = [(i, g) for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+                forms.update({i: lookup_form(g.indices) for i, g in sparse})
+                return tf.constant(0)
+
+            try:
+                tf.function(trace, autograph=False).get_concrete_function(self._input_specs)
+            except Exception as error:  # noqa: BLE001 (any layer's error while tracing without a batch size)
+                raise PipelineConfigError(
+                    f"stage {self.stage.index} gives an embedding a sparse gradient over several micro-batches, and "
+                    "how its slices add up is read from the stage traced without a batch size, which failed "
+                    f"({type(error).__name__}: {str(error)[:300]}). Use num_microbatches=1."
+                ) from error
+            self._sparse_forms = forms
+        return self._sparse_forms
 
     # -- the step's bounds -----------------------------------------------------
 
@@ -324,18 +428,8 @@ class StageCompute(StageBackward, StageUpdate):
 
     def forget_step(self) -> None:
         """Drops whatever a step left behind (after an error, or a replica with no share)."""
-        self._kept.clear()
-        self._for_weights.clear()
+        self._backward.forget()
         self.gradients.reset()
-
-
-def check_recompute(value) -> None:
-    """Refuses an unknown ``recompute`` option, naming the accepted ones."""
-    if value not in RECOMPUTE:
-        raise PipelineConfigError(
-            f"recompute={value!r}: give one of {', '.join(map(repr, RECOMPUTE))} (as torchgpipe's checkpoint: "
-            "'always' keeps only each micro-batch's input and reruns its forward during the backward)."
-        )
 
 
 def _unique(items) -> list:

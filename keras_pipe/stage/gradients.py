@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 
 ROWS = "rows"
@@ -234,3 +235,11 @@ def _joined_parts(tensor) -> list:
     if op.type == "ConcatV2":
         return [part for t in op.inputs[:-1] for part in _joined_parts(t)]
     return [tensor]
+
+
+def watch_weights(tape, variables) -> None:
+    """Watches the weights that train: a tape watches only variables whose ``tf.Variable`` is trainable, and
+    one allocated while its layer was frozen (a model frozen before the pipeline gave it memory, then
+    unfrozen) is not, whatever its Keras flag says now; Keras' flag decides (``compat.trained_weights``), which
+    made ``variables``."""
+    tape.watch([compat.variable_handle(v) for v in variables])

@@ -1,12 +1,13 @@
 """Internal: the end of a stage's step — batched weight gradients, weight regularization, the update.
 
-:class:`StageUpdate` is the part of :class:`~keras_pipe.stage.compute.StageCompute`
-that works on the step's gradients rather than on micro-batches: the
-batched ``W`` of a split backward (one pass over many micro-batches, fused
-with the optimizer update when nothing else must be known first), the
-weight regularizers' loss and gradients (counted once per batch, as Keras
-does), this stage's share of the whole model's gradient norm, and the
-update itself.
+:class:`StageUpdate` works on a stage's step's gradients rather than on
+micro-batches (:class:`~keras_pipe.stage.compute.StageCompute` holds one, made
+again whenever what trains changes): the batched ``W`` of a split backward
+(one pass over many micro-batches, fused with the optimizer update when
+nothing else must be known first), the weight regularizers' loss and
+gradients (counted once per batch, as Keras does), this stage's share of the
+whole model's gradient norm, and the update itself. Everything it reads is
+given to its constructor.
 """
 
 from __future__ import annotations
@@ -17,21 +18,45 @@ import tensorflow as tf
 
 from keras_pipe import compat
 from keras_pipe.stage import replay
+from keras_pipe.stage.gradients import watch_weights
 
 
 class StageUpdate:
-    """Gradient-level methods of a stage's compute (a mixin: ``StageCompute`` provides the state)."""
+    """The gradient-level work of one stage: ``W`` over many micro-batches, regularization, norms, the update.
+
+    Args:
+        variables: the weights that train (``compat.trained_weights``), in order.
+        steps: the replayed steps of a split backward (``[]``: recorded); ``W`` replays those that read a weight.
+        regularized_layers: the layers whose weight regularizers this stage counts.
+        gradients: the step's :class:`~keras_pipe.stage.gradients.GradientSum` of ``variables``.
+        program: ``(key, function, random=False) -> program``, the stage's compiled programs.
+        weight_bytes: the bytes of ``variables`` (whether the last ``W`` is cut into groups).
+    """
+
+    def __init__(self, variables: list, steps: list, regularized_layers: list, gradients, program, weight_bytes: int):
+        self.variables = variables
+        self.steps = steps
+        self.regularized_layers = regularized_layers
+        self.gradients = gradients
+        self._program = program
+        self.weight_bytes = weight_bytes
+        self._weighted = [k for k, step in enumerate(steps) if step.variables]
+        self._groups: dict = {}  # optimizer id -> (optimizer, how its update is cut: _update_groups)
+        self._updates: dict = {}  # a W-and-update program's key -> the program (its closure made once)
 
     def weights(
         self,
-        microbatches,
+        parts: list,
         activity_scale: float,
         regularize: bool,
         optimizer=None,
         loss_scale: float = 1.0,
         counts: bool = True,
     ) -> None:
-        """``W`` over ``microbatches``: adds their weight gradients (and, if ``regularize``, the weight regularizers').
+        """``W`` of micro-batches: adds their weight gradients (and, if ``regularize``, the weight regularizers').
+
+        ``parts``: each micro-batch's (inputs, output gradients) of every
+        weighted step (:meth:`~keras_pipe.stage.backward.StageBackward.take_held`).
 
         With an ``optimizer`` (the step's last ``W`` and no replica or other
         stage to wait for) the gradients go straight into its update, in the
@@ -40,8 +65,7 @@ class StageUpdate:
         step in ``optimizer.iterations`` (of a rank's several chunks, each
         updating its own weights, one does).
         """
-        parts = [self._for_weights.pop(i) for i in microbatches]
-        if not self.trainable_variables:
+        if not self.variables:
             return
         # per weighted step, its inputs and output gradients over the micro-batches
         count = len(self._weighted)
@@ -56,7 +80,7 @@ class StageUpdate:
                     [inputs[p] for p in positions], [grads[p] for p in positions], *scales
                 )
             return
-        weight_grads = self._weight_grads(range(count), range(len(self.trainable_variables)), regularize)
+        weight_grads = self._weight_grads(range(count), range(len(self.variables)), regularize)
         result = self._program(("weights", regularize), weight_grads)(inputs, grads, *scales)
         self.gradients.add(result)
         if optimizer is not None:
@@ -66,9 +90,9 @@ class StageUpdate:
 
     def _weight_grads(self, positions, indices, regularize: bool):
         """The traced ``W`` of the weighted steps at ``positions``: the gradients of the variables at ``indices``."""
-        variables = [self.trainable_variables[i] for i in indices]
+        variables = [self.variables[i] for i in indices]
         weighted = [self._weighted[p] for p in positions]
-        whole = len(variables) == len(self.trainable_variables)
+        whole = len(variables) == len(self.variables)
         regularized = self.regularized_layers if whole else _owning(self.regularized_layers, variables)
 
         def weight_grads(inputs, grads, activity_scale, loss_scale):
@@ -94,9 +118,9 @@ class StageUpdate:
         updates).
         """
         key = ("weights_update", id(optimizer), regularize, number, counted)
-        if key in self._programs:  # (every step: the group's variables and layers are looked up once)
-            return self._programs[key]
-        variables = [self.trainable_variables[i] for i in indices]
+        if key in self._updates:  # (every step: the group's variables and layers are looked up once)
+            return self._updates[key]
+        variables = [self.variables[i] for i in indices]
         weight_grads = self._weight_grads(positions, indices, regularize)
 
         def weights_and_update(inputs, grads, activity_scale, loss_scale):
@@ -109,7 +133,8 @@ class StageUpdate:
             if not counted:
                 optimizer.iterations.assign_sub(1)
 
-        return self._program(key, weights_and_update)
+        self._updates[key] = self._program(key, weights_and_update)
+        return self._updates[key]
 
     def _update_groups(self, optimizer) -> list[tuple[list[int], list[int]]]:
         """How the step's last ``W`` and the update are cut into programs: (weighted steps, variables) per program.
@@ -128,8 +153,8 @@ class StageUpdate:
         key = id(optimizer)  # (the entry holds the optimizer: its id cannot be another's while it is there)
         if key not in self._groups:
             cut = separable(optimizer) and self.weight_bytes >= 2 * GROUP_BYTES
-            groups = _grouped(self._weighted, self.steps, self.trainable_variables) if cut else None
-            whole = (list(range(len(self._weighted))), list(range(len(self.trainable_variables))))
+            groups = _grouped(self._weighted, self.steps, self.variables) if cut else None
+            whole = (list(range(len(self._weighted))), list(range(len(self.variables))))
             self._groups[key] = optimizer, groups or [whole]
         return self._groups[key][1]
 
@@ -138,10 +163,10 @@ class StageUpdate:
 
         def regularization(loss_scale):
             with tf.GradientTape() as tape:
-                self._watch_weights(tape)
+                watch_weights(tape, self.variables)
                 loss = self._regularization_loss()
                 scaled = loss * loss_scale
-            return loss, tape.gradient(scaled, self.trainable_variables)
+            return loss, tape.gradient(scaled, self.variables)
 
         loss, grads = self._program("regularization_gradients", regularization)(tf.constant(loss_scale, tf.float32))
         self.gradients.add(list(grads))  # (None for a weight without a regularizer: it adds nothing)
@@ -171,10 +196,10 @@ class StageUpdate:
 
         ``scale``: multiplies every gradient first (the whole model's ``global_clipnorm``).
         """
-        if not self.trainable_variables:
+        if not self.variables:
             return
         grads = list(grads) if grads is not None else self.gradients.result()
-        _apply(self, "apply", optimizer, self.trainable_variables, grads, scale)
+        _apply(self._program, "apply", optimizer, self.variables, grads, scale)
         self.gradients.reset()
 
     def squared_norm(self, grads, counted=None) -> float:
@@ -201,22 +226,24 @@ class StageUpdate:
 def apply_together(computes: list, optimizer, grads: list, scale: float | None = None, variables=None) -> None:
     """One optimizer step over the weights of several stage computes (a rank's chunks), in one program.
 
-    ``grads[k]``: the summed gradients of ``computes[k]``'s trainable
-    variables; or, with ``variables`` (each of the computes' weights once,
-    where chunks share some), one gradient a variable. One ``apply`` counts
-    one step (``iterations``, a loss scale's counter), as the unsplit model's
-    does; ``scale`` multiplies every gradient first.
+    ``computes``: :class:`~keras_pipe.stage.compute.StageCompute`\\ s (their
+    ``trainable_variables``, ``gradients`` and the first one's compiled
+    programs). ``grads[k]``: the summed gradients of ``computes[k]``'s
+    trainable variables; or, with ``variables`` (each of the computes'
+    weights once, where chunks share some), one gradient a variable. One
+    ``apply`` counts one step (``iterations``, a loss scale's counter), as
+    the unsplit model's does; ``scale`` multiplies every gradient first.
     """
     if variables is None:
         variables = [v for compute in computes for v in compute.trainable_variables]
         grads = [g for part in grads for g in part]
-    _apply(computes[0], "apply_chunks", optimizer, variables, list(grads), scale)
+    _apply(computes[0]._program, "apply_chunks", optimizer, variables, list(grads), scale)
     for compute in computes:
         compute.gradients.reset()
 
 
-def _apply(compute, name: str, optimizer, variables: list, grads: list, scale: float | None) -> None:
-    """``optimizer.apply(grads, variables)`` as ``compute``'s program ``name`` (``scaled_`` + ``name`` with a scale)."""
+def _apply(program, name: str, optimizer, variables: list, grads: list, scale: float | None) -> None:
+    """``optimizer.apply(grads, variables)`` as the stage's program ``name`` (``scaled_`` + ``name`` with a scale)."""
 
     if all(g is None for g in grads):  # no weight here got a gradient: Keras' optimizer raises there
         count_step(optimizer)  # (for the whole model only): this stage's step is counted
@@ -229,9 +256,9 @@ def _apply(compute, name: str, optimizer, variables: list, grads: list, scale: f
         optimizer.apply([_scaled(g, scale) for g in grads], variables)
 
     if scale is None:
-        compute._program((name, id(optimizer)), update)(*grads)
+        program((name, id(optimizer)), update)(*grads)
     else:
-        compute._program((f"scaled_{name}", id(optimizer)), scaled_update)(tf.constant(scale, tf.float32), *grads)
+        program((f"scaled_{name}", id(optimizer)), scaled_update)(tf.constant(scale, tf.float32), *grads)
 
 
 GROUP_BYTES = 64 * 2**20
