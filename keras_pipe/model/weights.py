@@ -34,37 +34,27 @@ def stage_weights(engine) -> list:
 
 def gather(engine) -> list[np.ndarray]:
     """Every weight of the model in ``model.weights`` order, on every rank, from the first replica's stages."""
-    weights = []
-    for variable, owner, _ in ordered(engine):
-        if owner == engine.stage and engine.replica == 0:
-            array = np.asarray(variable.numpy())
-        else:
-            array = np.empty(tuple(variable.shape), np.dtype(variable.dtype))
-        if engine.world.size > 1:
-            array = engine.world.bcast_array(array, root=engine.layout.rank_of(0, owner))
-        weights.append(array)
-    return weights
+    return [_bcast_from_owner(engine, variable, owner) for variable, owner, _ in ordered(engine)]
 
 
 def gather_variables(engine, variables: list) -> list[np.ndarray]:
     """The values of some of the model's ``variables``, on every rank, from the first replica's stages holding them."""
-    wanted = {id(v): k for k, v in enumerate(variables)}
-    found: list = [None] * len(variables)
-    for variable, owner, _ in ordered(engine):
-        k = wanted.get(id(variable))
-        if k is None or found[k] is not None:
-            continue
-        if owner == engine.stage and engine.replica == 0:
-            array = np.asarray(variable.numpy())
-        else:
-            array = np.empty(tuple(variable.shape), np.dtype(variable.dtype))
-        if engine.world.size > 1:
-            array = engine.world.bcast_array(array, root=engine.layout.rank_of(0, owner))
-        found[k] = array
-    missing = [v.path for v, array in zip(variables, found) if array is None]
+    owners = {id(variable): owner for variable, owner, _ in ordered(engine)}  # (in the model's order, as gather)
+    missing = [v.path for v in variables if id(v) not in owners]
     if missing:
         raise PipelineConfigError(f"{missing[:3]} are not weights of the pipeline's model.")
-    return found
+    return [_bcast_from_owner(engine, variable, owners[id(variable)]) for variable in variables]
+
+
+def _bcast_from_owner(engine, variable, owner: int) -> np.ndarray:
+    """``variable``'s value on every rank, from the first replica's rank of stage ``owner`` (collective)."""
+    if owner == engine.stage and engine.replica == 0:
+        array = np.asarray(variable.numpy())
+    else:
+        array = np.empty(tuple(variable.shape), np.dtype(variable.dtype))
+    if engine.world.size > 1:
+        array = engine.world.bcast_array(array, root=engine.layout.rank_of(0, owner))
+    return array
 
 
 def assign(engine, weights: Sequence[np.ndarray]) -> None:
