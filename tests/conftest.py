@@ -35,6 +35,7 @@ LONGEST_FIRST = [
     "test_models.py",
     "test_keras_conformance.py",
     "test_equivalence.py",
+    "test_fine_tuning.py",
     "test_optimizers.py",
     "test_notebook.py",
     "test_network.py",
