@@ -1,6 +1,6 @@
 """Fine-tuning, as users write it, pipelined against the unsplit model from the same weights (issue 46).
 
-Run as ``mpirun -n P python fine_tuning.py [CASE ...]``; prints ``FINE-TUNING OK <case>`` per rank and case.
+Run as ``mpirun -n P python fine_tuning.py [CASE ...]``; prints ``FINE-TUNING OK <case> rank <R>`` per rank and case.
 Cases (AdamW, 4 micro-batches unless said):
 
 ``child``: a composite layer (a ``Layer`` whose ``call()`` runs two ``Dense``) frozen, then one of its children
@@ -446,4 +446,4 @@ if __name__ == "__main__":
     for name in sys.argv[1:] or list(CASES):
         CASES[name](name)
         MPI.COMM_WORLD.Barrier()
-        print(f"FINE-TUNING OK {name}", flush=True)
+        print(f"FINE-TUNING OK {name} rank {RANK}", flush=True)
