@@ -143,3 +143,18 @@ def save_fault_chain():
         SaveFault(256, activation="relu"),
         keras.layers.Dense(3, activation="softmax"),
     ]
+
+
+def tiny_llama(vocabulary=40, hidden=16):
+    """keras_hub's ``LlamaCausalLM`` of 3 layers from constructor arguments (rotary, untied embeddings)."""
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=vocabulary,
+        num_layers=3,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=hidden,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)

@@ -31,7 +31,7 @@ import warnings
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, on_rank_0
+from common import RANK, SIZE, assert_close, on_rank_0, tiny_llama  # (of VOCAB = 40 tokens)
 from mpi4py import MPI
 
 import keras_pipe
@@ -299,20 +299,6 @@ def guide_subclassed(case):
         return model
 
     compare(case, make, keep, guide_phases(lambda m: m.base), images, classes, num_microbatches=4)
-
-
-def tiny_llama():
-    import keras_hub
-
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=3,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=16,
-        intermediate_dim=32,
-    )
-    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
 
 
 def lm_compile(rate=1e-2):

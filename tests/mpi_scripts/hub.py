@@ -28,7 +28,7 @@ import warnings
 import keras
 import keras_hub
 import numpy as np
-from common import RANK, SIZE, assert_close, trained_on_rank_0
+from common import RANK, SIZE, assert_close, tiny_llama, trained_on_rank_0
 
 from keras_pipe import PipelineModel
 
@@ -242,15 +242,7 @@ def llama(case, **pipeline_args):
     on the first stage and, as ``reverse_embeddings``, is the last stage's head."""
 
     def make():
-        backbone = keras_hub.models.LlamaBackbone(
-            vocabulary_size=VOCAB,
-            num_layers=3,
-            num_query_heads=2,
-            num_key_value_heads=1,
-            hidden_dim=DIM,
-            intermediate_dim=32,
-        )
-        return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        return tiny_llama(VOCAB, DIM)
 
     padding = (tokens != 0).astype("int32")
     x = {"token_ids": tokens, "padding_mask": padding}
