@@ -51,6 +51,8 @@ def run_keras_tests(nprocs: int, directory: Path, timeout: float, group: str = "
     """Runs Keras' tests of ``group`` with the plugin; each rank's results as ``{test: outcome}``."""
     report = directory / ("rank-RANK.xml" if nprocs > 1 else "rank-0.xml")
     command = [sys.executable, "-m", "pytest", "-p", "keras_conformance", "-q", "-p", "no:cacheprovider", "-n", "0"]
+    # (--capture=sys: a rank that aborts the job says why on the launch's stderr, not in pytest's lost capture)
+    command += ["--capture=sys"]
     command += ["-o", "junit_family=xunit1", "--junitxml", str(report), *map(str, KERAS_TESTS[group])]
     if nprocs > 1:
         command = [mpirun_path(), "-n", str(nprocs), *command]

@@ -18,7 +18,9 @@ ReduceLROnPlateau sets the same learning rate). What must differ:
   as the last stage, which holds the compiled metrics (``engine/logs.py``),
   so every rank decides alike, or raises Keras' error alike;
 - ``ModelCheckpoint`` runs everywhere, as ``model.save``/``save_weights`` are
-  collective and rank 0 writes;
+  collective and rank 0 writes; the directory it creates first (Keras:
+  "if it does not exist, make it") is created by whichever rank gets there
+  first, and another rank finding it made in between goes on;
 - ``BackupAndRestore`` decides on rank 0 whether a backup exists and tells the
   other ranks, so that they need not share its filesystem, and only rank 0
   writes the backup and its metadata.
@@ -95,6 +97,8 @@ def adapt_callbacks(callbacks, comm: Communicator):
             continue
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             _make_collective(callback, comm)
+        if isinstance(callback, keras.callbacks.ModelCheckpoint):
+            _tolerate_racing_directories(callback)
         kept.append(callback)
     if any(isinstance(c, _WRITERS) or getattr(c, _WRITER_ONLY, False) for c in callbacks):
         kept.append(_WritersDone(comm))
@@ -157,6 +161,39 @@ class _TensorBoardWeights(keras.callbacks.Callback):
                 if board.write_images:
                     board._log_weight_as_image(value, f"{name}/image", epoch)
             board._train_writer.flush()
+
+
+def _tolerate_racing_directories(callback: keras.callbacks.ModelCheckpoint) -> None:
+    """``ModelCheckpoint`` makes its file's directory where it is missing, on every rank: a race on a shared filesystem.
+
+    Keras 3.15's ``_save_model`` checks ``file_utils.exists(dirname)``, then
+    calls ``file_utils.makedirs(dirname)``; with several ranks on one
+    filesystem (``{epoch}`` in the directory's name: a new one each epoch),
+    another rank can make it between the two, and ``os.makedirs`` raises
+    ``FileExistsError`` on this rank alone, which aborted the job. While the
+    callback saves, a directory that exists by then is taken as made.
+    """
+    if getattr(callback, "_keras_pipe_tolerant", False):
+        return  # (a second fit() with the same callback)
+    files = compat.file_utils()
+    original = callback._save_model
+
+    def makedirs(path, make=files.makedirs):
+        try:
+            return make(path)
+        except FileExistsError:
+            if not files.isdir(path):
+                raise
+
+    def save_model(*args, **kwargs):
+        make, files.makedirs = files.makedirs, makedirs
+        try:
+            return original(*args, **kwargs)
+        finally:
+            files.makedirs = make
+
+    callback._save_model = save_model
+    callback._keras_pipe_tolerant = True
 
 
 def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communicator) -> None:

@@ -50,9 +50,16 @@ def describe_failure(error: BaseException, where: str) -> str:
 def abort(error: BaseException, where: str) -> None:
     """Prints ``error`` naming this rank, then aborts the whole MPI job."""
     comm = MPI.COMM_WORLD
-    sys.stderr.write(describe_failure(error, where))
-    sys.stderr.write(f"[keras_pipe] rank {comm.Get_rank()} is aborting all {comm.Get_size()} ranks.\n")
-    sys.stderr.flush()
+    message = describe_failure(error, where)
+    message += f"[keras_pipe] rank {comm.Get_rank()} is aborting all {comm.Get_size()} ranks.\n"
+    # also to the process's own stderr where sys.stderr was redirected (pytest's capture, a logging wrapper): the
+    # job ends here, and whatever holds the redirected text is never read
+    for stream in {id(s): s for s in (sys.stderr, sys.__stderr__) if s is not None}.values():
+        try:
+            stream.write(message)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     sys.stdout.flush()
     time.sleep(FORWARD_GRACE_S)
     comm.Abort(1)
