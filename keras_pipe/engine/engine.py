@@ -34,7 +34,7 @@ from keras_pipe.engine.consistency import StepAgreement
 from keras_pipe.engine.executor import Executor, rows
 from keras_pipe.engine.links import Links
 from keras_pipe.engine.logs import LogSharing
-from keras_pipe.engine.options import PipelineOptions
+from keras_pipe.engine.options import AUTO, PipelineOptions
 from keras_pipe.engine.predictions import PredictionExchange
 from keras_pipe.engine.profile import balance_by_time
 from keras_pipe.engine.stage_actions import StageActions
@@ -43,7 +43,7 @@ from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
 from keras_pipe.mpi.runtime import join_job
 from keras_pipe.schedules import schedule
-from keras_pipe.schedules.auto import SchedulePicker
+from keras_pipe.schedules.auto import CANDIDATES, SchedulePicker, microbatch_candidates
 from keras_pipe.stage.compute import Masked, StageCompute
 from keras_pipe.stage.losses import divisor_shares
 from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
@@ -76,7 +76,15 @@ class Engine:
         self.num_replicas = self.layout.num_replicas
         # (every default filled in and every rule checked there, once: keras_pipe.engine.options)
         self.options = options.resolve(self.num_stages)
-        self.picker = SchedulePicker(self.num_stages, self.num_microbatches) if self.schedule == "auto" else None
+        self.picker = None
+        auto_microbatches = self.options.num_microbatches == AUTO
+        if self.schedule == "auto" or auto_microbatches:
+            self.picker = SchedulePicker(
+                self.num_stages,
+                None if auto_microbatches else self.options.num_microbatches,
+                candidates=CANDIDATES if self.schedule == "auto" else (self.schedule,),
+                microbatch_counts=microbatch_candidates(self.num_stages) if auto_microbatches else None,
+            )
         # Several chunks a rank: the model is cut into num_stages * num_chunks virtual stages, placed as
         # the schedule says (keras_pipe.engine.chunks); the first is always on the first rank, the last not
         # always on the last (ZB-V's V ends where it began).
@@ -113,7 +121,11 @@ class Engine:
         self.jit, self.eager, self.frozen = "auto", False, False
         self._warned_norms: set = set()  # the trainable BatchNormalization layers when last warned about
 
-    num_microbatches = property(lambda self: self.options.num_microbatches, doc="Micro-batches per batch.")
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per batch (``"auto"``: the next step's, the pick's once made)."""
+        return self.options.num_microbatches if self.picker is None else self.picker.microbatches()
+
     schedule = property(lambda self: self.options.schedule, doc='The schedule\'s name (``"auto"`` too).')
     num_chunks = property(lambda self: self.options.num_chunks, doc="Model chunks (virtual stages) a rank.")
     recompute = property(lambda self: self.options.recompute, doc="Activation recomputation.")
@@ -295,6 +307,12 @@ class Engine:
                     if isinstance(sub, keras.layers.BatchNormalization) and sub.trainable
                 )
             )
+            if normalising and self.options.num_microbatches == AUTO:
+                raise PipelineConfigError(
+                    f"num_microbatches='auto' times several numbers of micro-batches, but {len(normalising)} "
+                    f"BatchNormalization layers ({', '.join(normalising[:4])}) compute their statistics per "
+                    "micro-batch, so each would train differently: give num_microbatches (1 trains as Sequential)."
+                )
             new = set(normalising) - self._warned_norms
             self._warned_norms = set(normalising)
             if new:
@@ -331,6 +349,11 @@ class Engine:
         measured, notes = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
         for variable, value in state:
             variable.assign(value)
+        if notes and self.options.num_microbatches == AUTO:  # (the same on every rank)
+            raise PipelineConfigError(
+                "num_microbatches='auto' times several numbers of micro-batches, each of which would train this "
+                "model differently: " + notes[0]
+            )
         for note in notes:  # (the same on every rank)
             warnings.warn(note, stacklevel=2)
         problems = probe.differences(self.cut.graph, measured) + probe.rows_not_first(self.cut, measured)

@@ -27,6 +27,7 @@ from keras_pipe.schedules import schedule, virtual
 from keras_pipe.schedules.actions import check_microbatches
 
 RECOMPUTE = ("never", "except_last", "always")
+AUTO = "auto"  # num_microbatches="auto": timed in the first training steps, as schedule="auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class PipelineOptions:
     returns the options with every such default filled in.
     """
 
-    num_microbatches: int | None = None
+    num_microbatches: int | str | None = None
     balance: Sequence[int] | str | None = None
     split_before: Sequence[str] | None = None
     schedule: str = "1f1b"
@@ -62,7 +63,8 @@ class PipelineOptions:
     def resolve(self, num_stages: int) -> PipelineOptions:
         """These options for a pipeline of ``num_stages`` ranks: every default filled in, every rule checked.
 
-        ``num_microbatches=None`` is ``2 * num_stages`` (1 on one stage);
+        ``num_microbatches=None`` is ``2 * num_stages`` (1 on one stage;
+        ``"auto"`` stays: the engine's picker times the candidates);
         ``num_chunks=None`` is the schedule's (two for a chunked schedule).
         Raises :class:`~keras_pipe.errors.PipelineConfigError` naming the
         option (the same on every rank: every rank gives the same options).
@@ -70,14 +72,15 @@ class PipelineOptions:
         num_microbatches = self.num_microbatches
         if num_microbatches is None:
             num_microbatches = 1 if num_stages == 1 else 2 * num_stages
-        check_microbatches(num_microbatches)
+        if num_microbatches != AUTO:  # ("auto": the candidates of keras_pipe.schedules.auto, each a multiple of P)
+            check_microbatches(num_microbatches)
         schedule.check_name(self.schedule)
         num_chunks = schedule.default_chunks(self.schedule) if self.num_chunks is None else self.num_chunks
         schedule.check_chunks(self.schedule, num_chunks)
         check_recompute(self.recompute)
         if self.split_before is not None and self.balance is not None:
             raise PipelineConfigError("give balance or split_before, not both: each says where the stages begin.")
-        if self.schedule == "interleaved-1f1b":
+        if self.schedule == "interleaved-1f1b" and num_microbatches != AUTO:
             virtual.check_whole_rounds(num_stages, num_microbatches)
         return dataclasses.replace(
             self, num_microbatches=num_microbatches, num_chunks=num_chunks, num_stages=num_stages

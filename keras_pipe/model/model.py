@@ -76,7 +76,9 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             ``keras.Model(inputs, outputs)`` takes it (``PipelineModel(inputs,
             outputs)`` too: given ``outputs``, the first argument is the inputs).
         num_microbatches: micro-batches per batch. ``None`` means
-            ``2 * number of stages`` (1 on one rank).
+            ``2 * number of stages`` (1 on one rank); ``"auto"`` times
+            ``P``, ``2P`` and ``4P`` (with each schedule ``"auto"`` times)
+            in the first training steps and trains on with the fastest.
         balance: nodes per stage (e.g. ``[2, 3, 2]``; for a chain, layers);
             ``None`` balances the stages' parameter counts; ``"time"``
             measures each node's forward and backward time on a sample

@@ -23,7 +23,8 @@ def describe(engine, name: str) -> list[str]:
     chunked = f" of {chunks} chunks each ({engine.num_stages * chunks} virtual stages)" if chunks > 1 else ""
     lines = [
         f'PipelineModel "{name}": {engine.num_stages} stages{chunked}{replicas}, '
-        f"{engine.num_microbatches} micro-batches, schedule {engine.schedule}"
+        f"{engine.num_microbatches}{' (auto)' if engine.options.num_microbatches == 'auto' else ''} micro-batches, "
+        f"schedule {engine.schedule}"
     ]
     if engine.picker is not None:
         lines.append("Schedule " + engine.picker.describe())

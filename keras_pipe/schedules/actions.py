@@ -189,7 +189,7 @@ def _check(num_stages: int, num_microbatches: int) -> None:
 
 def check_microbatches(num_microbatches) -> None:
     """Raises :class:`PipelineConfigError` unless ``num_microbatches`` is a positive integer."""
-    check_count("num_microbatches", num_microbatches, "1 means no micro-batching")
+    check_count("num_microbatches", num_microbatches, '1 means no micro-batching; or "auto"')
 
 
 def check_count(name: str, value, meaning_of_one: str) -> None:

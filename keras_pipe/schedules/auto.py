@@ -16,6 +16,15 @@ The candidates are ``"1f1b"`` and ``"zb-h1"``, both at 1F1B's activation
 memory. ``"gpipe"`` is not one: its bubble is 1F1B's and it holds every
 micro-batch's activations.
 
+``num_microbatches="auto"`` times the numbers of micro-batches too
+(:func:`microbatch_candidates`: ``P``, ``2P`` and ``4P``): fewer, wider
+micro-batches make cheaper matrix products per row (on one core a rank, a
+16-row product costs about twice a 256-row one's per row) and a larger
+bubble; which wins is measured the same way, on every pair of schedule and
+``m``. Only where ``m`` changes nothing but round-off: the pipeline refuses
+it for a model whose batch normalization computes statistics per
+micro-batch.
+
 >>> picker = SchedulePicker(num_stages=2, num_microbatches=4, warmup=1, timed=1)
 >>> picker.current(), picker.steps_left()
 ('1f1b', 4)
@@ -38,24 +47,48 @@ WARMUP_ROUNDS = 2  # steps of each candidate before timing: tracing, the first s
 TIMED_ROUNDS = 3  # timed steps of each, alternated; the median counts (one step slowed by the machine does not)
 
 
+def microbatch_candidates(num_stages: int) -> tuple[int, ...]:
+    """The numbers of micro-batches ``num_microbatches="auto"`` times: ``P``, ``2P``, ``4P`` (1 on one stage).
+
+    Each a multiple of ``P`` (interleaved 1F1B's whole rounds). Below ``P``
+    a stage idles for most of the step; above ``4P`` the bubble is under
+    a sixteenth of 1F1B's at ``P`` while each product gets thinner still.
+
+    >>> microbatch_candidates(2), microbatch_candidates(1)
+    ((2, 4, 8), (1,))
+    """
+    return (1,) if num_stages == 1 else (num_stages, 2 * num_stages, 4 * num_stages)
+
+
 class SchedulePicker:
     """Which candidate each of the first training steps runs, their times, and the pick.
 
-    ``current()`` is the schedule of the next training step; ``record(s)``
-    notes its duration and says when the last timed step is in, when the
-    caller gathers every rank's :attr:`times` and calls :meth:`decide`.
+    ``current()`` is the schedule of the next training step and
+    ``microbatches()`` its number of micro-batches; ``record(s)`` notes its
+    duration and says when the last timed step is in, when the caller
+    gathers every rank's :attr:`times` and calls :meth:`decide`.
+
+    ``microbatch_counts``: the numbers of micro-batches to time
+    (``num_microbatches="auto"``; each candidate schedule with each, a
+    candidate named ``"1f1b m=4"``); ``None``: ``num_microbatches`` alone.
     """
 
     def __init__(
         self,
         num_stages: int,
-        num_microbatches: int,
+        num_microbatches: int | None,
         candidates=CANDIDATES,
         warmup: int = WARMUP_ROUNDS,
         timed: int = TIMED_ROUNDS,
+        microbatch_counts=None,
     ):
-        self.num_stages, self.num_microbatches = num_stages, num_microbatches
-        self.candidates = tuple(candidates)
+        self.num_stages = num_stages
+        counts = tuple(microbatch_counts or (num_microbatches,))
+        if len(counts) == 1:  # one m: a candidate is its schedule's name
+            self._choices = {name: (name, counts[0]) for name in candidates}
+        else:
+            self._choices = {f"{name} m={m}": (name, m) for name in candidates for m in counts}
+        self.candidates = tuple(self._choices)
         self._warmup = warmup * len(self.candidates)
         self._plan = list(self.candidates) * (warmup + timed)
         self._step = 0
@@ -66,6 +99,18 @@ class SchedulePicker:
 
     def current(self) -> str:
         """The schedule the next training step runs."""
+        return self._choices[self.candidate()][0]
+
+    def microbatches(self) -> int:
+        """The number of micro-batches of the next step (training, evaluation, prediction: the pick's, once made)."""
+        return self._choices[self.candidate()][1]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches()
+
+    def candidate(self) -> str:
+        """The candidate the next training step runs (its schedule's name, with ``" m=4"`` where ``m`` is timed too)."""
         if self.picked:
             return self.picked
         return self._plan[self._step] if self._step < len(self._plan) else self.candidates[0]
@@ -93,9 +138,10 @@ class SchedulePicker:
     def describe(self) -> str:
         """What ``summary()`` says: the pick, the times it came from, and its simulated bubble."""
         if self.picked is None:
-            timing = " and ".join(self.candidates)
+            timing = " and ".join([", ".join(self.candidates[:-1]), self.candidates[-1]][-len(self.candidates) :])
             return f"auto: not picked yet (the next {self.steps_left()} training steps time {timing})"
-        bubble = simulated_bubble(self.picked, self.num_stages, self.num_microbatches)
+        name, m = self._choices[self.picked]
+        bubble = simulated_bubble(name, self.num_stages, m)
         if not self.typical:
             return f"auto: {self.picked} (one stage; simulated bubble {100 * bubble:.1f}%)"
         others = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in self.typical.items() if name != self.picked)

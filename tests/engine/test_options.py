@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import re
 
 import pytest
 
@@ -29,6 +30,8 @@ def test_resolve_fills_the_worlds_defaults():
     assert (resolved.num_microbatches, resolved.num_chunks, resolved.num_stages) == (6, 1, 3)
     assert PipelineOptions(schedule="zb-v").resolve(2).num_chunks == 2
     assert PipelineOptions(num_microbatches=5).resolve(2).num_microbatches == 5
+    # "auto" stays "auto" (the engine's picker times P, 2P and 4P), under interleaved 1F1B's whole rounds too
+    assert PipelineOptions(num_microbatches="auto", schedule="interleaved-1f1b").resolve(4).num_microbatches == "auto"
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolved.num_microbatches = 2
 
@@ -37,6 +40,11 @@ def test_resolve_fills_the_worlds_defaults():
     "options, num_stages, message",
     [
         (dict(num_microbatches=0), 2, "num_microbatches=0: it must be a positive integer"),
+        (
+            dict(num_microbatches="many"),
+            2,
+            "num_microbatches='many': it must be a positive integer (1 means no micro-batching; or \"auto\")",
+        ),
         (dict(schedule="nope"), 2, "schedule='nope' is not known"),
         (dict(schedule="zb-v", num_chunks=3), 2, "runs two chunks a rank"),
         (dict(schedule="1f1b", num_chunks=2), 2, "runs one chunk a rank"),
@@ -51,5 +59,5 @@ def test_resolve_fills_the_worlds_defaults():
     ],
 )
 def test_every_rule_is_checked_by_resolve(options, num_stages, message):
-    with pytest.raises(PipelineConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(PipelineConfigError, match=re.escape(message)):
         PipelineOptions(**options).resolve(num_stages)

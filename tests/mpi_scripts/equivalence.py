@@ -28,9 +28,12 @@ CONFIGURATIONS += [(split_layers, 4, "auto", False)]
 # Several chunks a rank (4 ranks only; tests/mpi_scripts/chunks.py runs them on 2): interleaved 1F1B
 # over 8 virtual stages, and ZB-V with the recorded backward on some chunks
 CONFIGURATIONS += [(split_layers, 8, "interleaved-1f1b", False), (layers, 4, "zb-v", False)]
+# num_microbatches="auto": its first fifteen steps alternate m = P, 2P, 4P (1F1B), then every rank trains on
+# with the one it picked; the fit equals Sequential's whichever ran
+CONFIGURATIONS += [(split_layers, "auto", "1f1b", False)]
 # Four ranks train every configuration; one and three ranks (the suite's time: each configuration
 # compiles its programs anew) a subset that together covers each of them once more.
-SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8]}
+SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8, 11]}
 CONFIGURATIONS = [CONFIGURATIONS[i] for i in SUBSETS.get(SIZE, range(len(CONFIGURATIONS)))]
 
 
@@ -72,6 +75,16 @@ for chain, m, schedule, jit in CONFIGURATIONS:
         assert len(set(model.engine.world.allgather_json(picker.picked))) == 1, (what, "ranks picked apart")
         lines = []
         model.summary(print_fn=lines.append)
+        assert RANK or any(line.startswith(f"Schedule auto: {picker.picked} (median step") for line in lines), lines
+        print(f"rank {RANK}: {what}: {picker.describe()}", flush=True) if RANK == 0 else None
+    if m == "auto":
+        picker = model.engine.picker
+        assert picker.steps_left() == 0 and model.num_microbatches in (SIZE, 2 * SIZE, 4 * SIZE), picker.describe()
+        assert picker.picked == f"1f1b m={model.num_microbatches}", (what, picker.describe())
+        assert len(set(model.engine.world.allgather_json(picker.picked))) == 1, (what, "ranks picked apart")
+        lines = []
+        model.summary(print_fn=lines.append)
+        assert RANK or lines[0].endswith(f"{model.num_microbatches} (auto) micro-batches, schedule 1f1b"), lines
         assert RANK or any(line.startswith(f"Schedule auto: {picker.picked} (median step") for line in lines), lines
         print(f"rank {RANK}: {what}: {picker.describe()}", flush=True) if RANK == 0 else None
     checked += 1

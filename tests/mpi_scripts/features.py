@@ -20,6 +20,7 @@ import tensorflow as tf
 from common import RANK, SIZE, assert_close, data, trained_on_rank_0
 
 from keras_pipe import PipelineModel
+from keras_pipe.errors import PipelineConfigError
 from keras_pipe.stage.batchnorm import DeferredBatchNormalization
 
 x, y, sw = data(n=96)
@@ -277,6 +278,17 @@ def deferred_batchnorm(case):
         weights = model.get_weights()
         close = all(np.allclose(weights[i], expected[i], rtol=1e-5, atol=1e-6) for i in moving)
         assert close == deferred, f"rank {RANK}: {norm.__name__} moving statistics equal Sequential's: {close}"
+
+    # num_microbatches="auto" would time P, 2P and 4P micro-batches: each normalizes with other statistics, so each
+    # trains differently. Refused when the model is built, on every rank, naming the layers.
+    model = PipelineModel(chain(keras.layers.BatchNormalization), num_microbatches="auto")
+    model.compile(**sgd())
+    try:
+        model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    except PipelineConfigError as error:
+        assert "num_microbatches='auto'" in str(error) and "batch_normalization" in str(error), error
+    else:
+        assert SIZE == 1, "num_microbatches='auto' with batch normalization trained"  # (one stage: m = 1 only)
 
 
 @keras.saving.register_keras_serializable(package="tests")

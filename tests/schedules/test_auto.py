@@ -14,7 +14,7 @@ def _run(picker, seconds_of):
     count = {name: 0 for name in picker.candidates}
     names = []
     while picker.steps_left():
-        name = picker.current()
+        name = picker.candidate()
         names.append(name)
         done = picker.record(seconds_of(name, count[name]))
         count[name] += 1
@@ -85,3 +85,33 @@ def test_auto_is_a_schedule_option_not_a_plan():
         schedule.check_name("zigzag")
     with pytest.raises(PipelineConfigError, match="use one of '1f1b', 'gpipe', 'zb-h1'"):
         schedule.make_schedule("auto", 2, 4)
+
+
+def test_with_several_numbers_of_micro_batches_every_pair_is_timed_and_the_pick_names_both():
+    counts = auto.microbatch_candidates(2)
+    assert counts == (2, 4, 8)
+    picker = SchedulePicker(num_stages=2, num_microbatches=None, microbatch_counts=counts)
+    assert picker.candidates == tuple(f"{name} m={m}" for name in CANDIDATES for m in counts)
+    seen = []
+    # wider micro-batches are cheaper per row, up to m=4 where the bubble starts to cost more: 1F1B at m=4 wins
+    step = {("1f1b", 2): 0.030, ("1f1b", 4): 0.020, ("1f1b", 8): 0.025, ("zb-h1", 2): 0.031}
+
+    def seconds(name, k):
+        seen.append((picker.current(), picker.microbatches()))
+        return step.get(seen[-1], 0.040)
+
+    _run(picker, seconds)
+    assert seen[: len(picker.candidates)] == [(n, m) for n in CANDIDATES for m in counts]
+    assert picker.decide([picker.times]) == "1f1b m=4"
+    assert (picker.current(), picker.microbatches()) == ("1f1b", 4)
+    assert picker.describe().startswith("auto: 1f1b m=4 (median step 20.0 ms against 1f1b m=2 30.0 ms, ")
+    assert picker.describe().endswith(f"simulated bubble {100 * simulated_bubble('1f1b', 2, 4):.1f}%)")
+
+
+def test_a_fixed_schedule_with_auto_micro_batches_times_its_numbers_alone():
+    picker = SchedulePicker(num_stages=4, num_microbatches=None, candidates=("zb-v",), microbatch_counts=(4, 8, 16))
+    assert picker.candidates == ("zb-v m=4", "zb-v m=8", "zb-v m=16")
+    assert picker.describe() == (
+        "auto: not picked yet (the next 15 training steps time zb-v m=4, zb-v m=8 and zb-v m=16)"
+    )
+    assert SchedulePicker(1, None, microbatch_counts=auto.microbatch_candidates(1)).microbatches() == 1
