@@ -109,6 +109,8 @@ def make_data(n, features=784):
 def worker(args):
     """Runs inside mpirun (or alone); rank 0 prints one JSON line."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if args.kind == "pipeline" and args.threads:  # (--rank-threads: read when keras_pipe is imported)
+        os.environ["KERAS_PIPE_THREADS"] = str(args.threads)
     if args.kind == "sequential" and args.threads:
         import tensorflow as tf
 
@@ -295,6 +297,13 @@ def main():
         help="tf.data's autotuning for the Sequential rows (default off: the faster here; on: Keras' default)",
     )
     parser.add_argument(
+        "--rank-threads",
+        type=int,
+        default=0,
+        help="also run each two-rank row with this many TensorFlow threads a rank (KERAS_PIPE_THREADS; default: "
+        "the host's cores shared out, one each here): a waiting rank's core lent to its neighbour",
+    )
+    parser.add_argument(
         "--torch-python",
         help="an interpreter with torch: adds torch's pipelining of the balanced chain (torch_pipelining.py) as rows",
     )
@@ -311,6 +320,12 @@ def main():
     for workload in args.workloads:
         spec = WORKLOADS[workload]
         rows = configurations(workload, args.sequential_autotune, torch=bool(args.torch_python))
+        if args.rank_threads:
+            rows += [
+                (f"{label}, {args.rank_threads} threads", ranks, [*worker_args, "--threads", str(args.rank_threads)])
+                for label, ranks, worker_args in rows
+                if label.startswith("PipelineModel 2 ranks")
+            ]
         if args.smoke:
             rows = [row for row in rows if row[0].endswith(("all cores", " 1f1b, m=4"))]
         if args.only:
@@ -357,7 +372,7 @@ def print_table(workload: str, spec: dict, median: dict) -> None:
     print("-" * len(header))
     for label, speed in median.items():
         efficiency = ""
-        m = label.rsplit("m=", 1)[-1]
+        m = label.rsplit("m=", 1)[-1].split(",")[0]
         if label.startswith("PipelineModel") and m.isdigit():  # ("m=auto": the m it picked is printed above)
             ranks = 2 if "2 ranks" in label else 1
             ideal = ranks * int(m) / (int(m) + ranks - 1) * one_core
