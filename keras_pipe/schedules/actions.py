@@ -181,6 +181,32 @@ def _weights(pending: dict) -> list[Action]:
     return weights
 
 
+def merge_weight_runs(actions: list[Action]) -> list[Action]:
+    """Each run of consecutive ``W`` actions as one ``W`` a chunk, over the run's micro-batches of that chunk.
+
+    Nothing runs between the ``W`` of a run (no forward, no input gradient,
+    no message), so one ``W`` over their micro-batches computes the same sums
+    in fewer program calls, each paying once for reading and adding into the
+    weights' gradients; what the stage holds at the run's start is its most
+    either way. ZB-V's tail on its middle rank is four ``W`` of two chunks:
+
+    >>> format_actions(merge_weight_runs([act(BACKWARD_INPUT, 1), act(BACKWARD_WEIGHT, 0, chunk=1),
+    ...     act(BACKWARD_WEIGHT, 0), act(BACKWARD_WEIGHT, 1, chunk=1), act(BACKWARD_WEIGHT, 1)]))
+    'I1 W0-1@1 W0-1'
+    """
+    merged: list[Action] = []
+    run: dict[int, list[int]] = {}
+    for action in [*actions, None]:
+        if action is not None and action.kind is BACKWARD_WEIGHT:
+            run.setdefault(action.chunk, []).extend(action.microbatches)
+            continue
+        merged += [Action(BACKWARD_WEIGHT, tuple(mbs), chunk) for chunk, mbs in run.items()]
+        run = {}
+        if action is not None:
+            merged.append(action)
+    return merged
+
+
 def _check(num_stages: int, num_microbatches: int) -> None:
     if not isinstance(num_stages, int) or num_stages < 1:
         raise PipelineConfigError(f"num_stages must be a positive integer, got {num_stages!r}.")

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.schedules import virtual, zero_bubble
-from keras_pipe.schedules.actions import Action, Holding, check_count
+from keras_pipe.schedules.actions import Action, Holding, check_count, merge_weight_runs
 from keras_pipe.schedules.one_chunk import gpipe, one_f_one_b
 from keras_pipe.schedules.zero_bubble import zero_bubble_h1
 
@@ -81,9 +81,11 @@ def make_schedule(
         return gpipe(num_stages, num_microbatches, split_backward, hold=hold)
     if name == "interleaved-1f1b":
         return virtual.interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks, split_backward, hold)
+    # (the zero-bubble schedules place a W a micro-batch where it fills a wait; where several end up together,
+    # as in ZB-V's tail, one W a chunk does their work: actions.merge_weight_runs)
     if name == "zb-v":
-        return zero_bubble.zero_bubble_v(num_stages, num_microbatches)
-    return zero_bubble_h1(num_stages, num_microbatches)
+        return [merge_weight_runs(row) for row in zero_bubble.zero_bubble_v(num_stages, num_microbatches)]
+    return [merge_weight_runs(row) for row in zero_bubble_h1(num_stages, num_microbatches)]
 
 
 def placement(name: str, num_stages: int, num_chunks: int = 1) -> list[list[int]]:
