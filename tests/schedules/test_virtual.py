@@ -180,3 +180,27 @@ def test_gpipe_over_chunks_matches_the_diagram():
         "F0 F1 F0@1 F1@1 B0@1 B1@1 B0 B1",
         "F0 F1 FB0@1 FB1@1 B0 B1",
     ]
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(2, 2), (2, 4), (3, 6), (4, 8)])
+def test_zero_bubble_schedules_run_one_w_a_chunk_where_ws_follow_each_other(ranks, microbatches):
+    """ZB-V's middle rank ended with W0@1 W0 W1@1 W1 at m = 2: now W0-1@1 W0-1, the same sums in fewer calls."""
+    from keras_pipe.schedules.actions import BACKWARD_WEIGHT
+    from keras_pipe.schedules.schedule import make_schedule
+
+    for name, chunks in (("zb-v", 2), ("zb-h1", 1)):
+        merged = make_schedule(name, ranks, microbatches, num_chunks=chunks)
+        plain = zero_bubble_v(ranks, microbatches) if name == "zb-v" else zero_bubble_h1(ranks, microbatches)
+        for row, before in zip(merged, plain):
+            for a, b in zip(row, row[1:]):
+                assert not (a.kind is b.kind is BACKWARD_WEIGHT and a.chunk == b.chunk), format_actions(row)
+            # every micro-batch's W still runs once a chunk, and the rest is unchanged, in order
+            weights = sorted((a.chunk, i) for a in row if a.kind is BACKWARD_WEIGHT for i in a.microbatches)
+            assert weights == sorted((a.chunk, i) for a in before if a.kind is BACKWARD_WEIGHT for i in a.microbatches)
+            assert [a for a in row if a.kind is not BACKWARD_WEIGHT] == [
+                a for a in before if a.kind is not BACKWARD_WEIGHT
+            ]
+        simulate(merged, DURATIONS, v_placement(ranks) if name == "zb-v" else None)
+        for row, before in zip(merged, plain):
+            assert max_held(row) <= max_held(before)
+    assert format_actions(make_schedule("zb-v", 2, 2, num_chunks=2)[1]).endswith("I1 W0-1@1 W0-1")
