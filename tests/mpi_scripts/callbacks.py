@@ -129,7 +129,7 @@ assert len(set(comm.allgather_json(stops[1]))) == 1
 # aborted the job, 1 run in 3 on 3 ranks: Keras' own model_checkpoint_test's "subdir" did it once in CI).
 racing = PipelineModel(layers(regularize=False))
 racing.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-epochs = 25
+epochs = 12
 path = f"{tmp}/racing/{{epoch}}/model.weights.h5"
 checkpoint = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
 racing.fit(x, y, batch_size=101, epochs=epochs, verbose=0, callbacks=[checkpoint])
