@@ -130,6 +130,7 @@ class Executor:
         )
         plan = self._plan = self.step_end.plan(actions, batch, self.step, traced=self.tracer is not None)
         of_chunk = " of chunk {}" if len(self.chunks) > 1 else ""
+        doing = f"{batch.phase} step {self.step}, {self.where}: "
         try:
             if batch.phase == "train":
                 for chunk in self.chunks:
@@ -139,8 +140,7 @@ class Executor:
             self.status.in_step = True
             for position, action in enumerate(actions):
                 self.status.doing = (
-                    f"{batch.phase} step {self.step}, {self.where}: {_NAMES[action.kind]} of micro-batch "
-                    f"{action.microbatch}" + of_chunk.format(action.chunk)
+                    f"{doing}{_NAMES[action.kind]} of micro-batch {action.microbatch}" + of_chunk.format(action.chunk)
                 )
                 self._handlers[action.kind](self.chunks[action.chunk], action, position, batch, result)
             self.step_end.finish(batch, result, plan)

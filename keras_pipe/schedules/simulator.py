@@ -156,7 +156,7 @@ def _ready(action, k, num_virtual, microbatches, done, channels, forwards, where
         return [done[(k, part, action.microbatch)]]
     if kind is SEED:  # (the divisors of the whole batch: every forward of the stage counted first)
         return [] if forwards[k] == microbatches else None
-    deps = [d for i in action.microbatches for d in _dependencies(k, kind, i, num_virtual)]
+    deps = [d for i in action.microbatches for d in _dependencies(k, kind, i)]
     if all(d in done for d in deps):
         return [done[d] for d in deps]
     return None
@@ -212,7 +212,7 @@ def _parts(kind: Kind) -> tuple:
     )
 
 
-def _dependencies(stage: int, kind: Kind, i: int, num_stages: int) -> list[tuple[int, str, int]]:
+def _dependencies(stage: int, kind: Kind, i: int) -> list[tuple[int, str, int]]:
     """What a computing action on ``stage`` reads: its received inputs or output gradients, its own earlier parts."""
     deps = []
     if kind.forwards and stage > 0:
