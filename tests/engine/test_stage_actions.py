@@ -4,9 +4,10 @@ The schedules' own tests (tests/schedules/test_lowering.py) lower what the
 schedules give; here every rank resolves its list as a pipeline's ranks do
 (its stage's split, its holding, the phase, a whole-batch loss, a short
 batch), and the lists the executors would run are simulated together: each
-receive matched to its peer's send, no deadlock, every part once. Replicas
-resolve the same lists (a rank's list depends on its stage, not on its
-replica), each pipeline on its own communicator.
+receive matched to its peer's send, no deadlock, every part once. With
+replicas each pipeline runs its own share of the batch (its own number of
+micro-batches, none for an empty share) on its own communicator: each
+pipeline's lists are simulated as they resolve them.
 """
 
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from keras_pipe.engine.chunks import Chunk
 from keras_pipe.engine.stage_actions import StageActions
 from keras_pipe.schedules import CHUNKED_SCHEDULES, SCHEDULES, computing, placement, simulate
 from keras_pipe.schedules.actions import Kind
+from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
 
 
 def _chunks(stages: list, num_virtual: int, split: bool, held_bytes) -> list:
@@ -60,3 +62,22 @@ def test_the_lists_the_executors_run_match_their_messages(name, ranks, chunks):
                     kinds = {a.kind for row in rows for a in computing(row)}
                     last = {Kind.FORWARD_HEAD} if whole else {Kind.FORWARD_LOSS} if phase == "test" else set()
                     assert last <= kinds, case
+
+
+@pytest.mark.parametrize(
+    "name, ranks, chunks", [("1f1b", 2, 1), ("zb-h1", 3, 1), ("interleaved-1f1b", 2, 2), ("zb-v", 2, 2)]
+)
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_each_replicas_pipeline_runs_the_lists_of_its_share(name, ranks, chunks, replicas):
+    # a replica's share of a short batch has fewer micro-batches (interleaved 1F1B then runs GPipe's
+    # order over the chunks), or none: the replicas' pipelines run different lists, each matched
+    where = placement(name, ranks, chunks)
+    for batch_size in range(1, 10):
+        for m in (1, 2, 4):
+            for phase, whole in (("train", False), ("train", True), ("test", True)):
+                for first, last in replica_bounds(batch_size, replicas):
+                    count = len(microbatch_bounds(last - first, m)) if last > first else 0
+                    if not count:
+                        continue  # (an empty share runs no action: the engine's run)
+                    rows = executed(name, ranks, chunks, phase, count, whole, [True] * ranks, None)
+                    simulate(rows, None, where)
