@@ -1,7 +1,8 @@
 """The schedules side by side on the simulator's clock: a chart, the bubble and the memory of each.
 
 A whole stage's forward, input gradient and weight gradient take 2 ticks
-each; a chunk's (with two chunks a rank) 1. Prints the Markdown of
+each; a chunk's (with two chunks a rank) 1; then the lists the executors
+run, with their messages, for 1F1B and ZB-V. Prints the Markdown of
 ``docs/schedules.md`` (``tests/schedules/test_virtual.py`` checks the two agree):
 
     python benchmarks/schedules.py --ranks 4 --microbatches 8 > docs/schedules.md
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from keras_pipe.schedules import max_held, one_f_one_b, zero_bubble_h1
+from keras_pipe.schedules import format_actions, lower, max_held, one_f_one_b, zero_bubble_h1
 from keras_pipe.schedules.simulator import bubble, durations_of, gantt, makespan
 from keras_pipe.schedules.virtual import interleaved_one_f_one_b, loop_placement, v_placement
 from keras_pipe.schedules.zero_bubble import zero_bubble_v
@@ -54,7 +55,32 @@ def report(p: int, m: int) -> str:
         held = max(max_held(actions) for actions in plan) / chunks
         lines.append(f"| {name} | {ticks:g} | {idle:.0%} | {held:g} | {runs} |")
         charts += ["", f"{name}:", "", "```", gantt(plan, durations(2 // chunks), placement), "```"]
-    return "\n".join(lines + charts) + "\n"
+    return "\n".join(lines + charts + lowered()) + "\n"
+
+
+def lowered(p: int = 2, m: int = 4) -> list[str]:
+    """The lists the executors run (the schedule with its messages: ``keras_pipe.schedules.lower``), as lines."""
+    lines = [
+        "",
+        f"## What each rank runs: the lowered lists, {p} ranks, {m} micro-batches",
+        "",
+        "The executor runs a schedule with its messages as actions of their own (`keras_pipe.schedules.lower`,",
+        "as torch's pipelining lowers its schedules): `RECV_F` right before the action that reads a stage's",
+        "inputs, `SEND_F` right after a forward whose outputs another stage reads, `RECV_B` before a backward",
+        "that needs its outputs' gradients, `SEND_B` after one that computed its inputs'. A send starts at",
+        "once, a receive waits; `simulate` runs exactly these lists, matching each receive to its peer's send",
+        "in the order sent. The last stage's forwards are kinds of their own outside the fused `FB`/`FI`:",
+        "`FL` (evaluation: the loss too) and `FH` (a loss over the whole batch: terms and divisors summed),",
+        "whose backwards get `SEED` where other stages' get `RECV_B`.",
+    ]
+    for name, plan, placement in [
+        ("1F1B", one_f_one_b(p, m), None),
+        ("ZB-V (`@1`: chunk 1, the V's way back)", zero_bubble_v(p, m), v_placement(p)),
+    ]:
+        lines += ["", f"{name}:", "", "```"]
+        lines += [f"rank {r}: {format_actions(actions)}" for r, actions in enumerate(lower(plan, placement))]
+        lines += ["```"]
+    return lines
 
 
 def main() -> None:

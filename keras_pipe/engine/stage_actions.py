@@ -5,15 +5,19 @@ rank runs its own row, adjusted to what its stage can do: a stage that
 cannot split its backward (a Keras mask crosses it, or it recomputes) runs
 ``B`` where the schedule says ``I`` and has no ``W``; a mean loss over a
 masked output trains in GPipe's order (the last stage counts the whole
-batch before its first backward); evaluation and prediction run forwards
-only. The result is cached per phase, number of micro-batches and what
-holding a micro-batch for its ``W`` costs.
+batch before its first backward: ``FH``); evaluation and prediction run
+forwards only (the last stage's ``FL`` computes the loss too). The row is
+then lowered (:func:`keras_pipe.schedules.lowering.lower_rank`): its sends
+and receives become actions, and that list is what the executor runs. The
+result is cached per phase, number of micro-batches and what holding a
+micro-batch for its ``W`` costs.
 """
 
 from __future__ import annotations
 
 from keras_pipe.schedules import one_chunk, schedule
 from keras_pipe.schedules.actions import Action, Holding, Kind
+from keras_pipe.schedules.lowering import lower_rank
 
 
 class StageActions:
@@ -43,7 +47,7 @@ class StageActions:
         return self.schedule if self.picker is None else self.picker.current()
 
     def for_batch(self, chunks: list, phase: str, num_microbatches: int, whole_batch_loss: bool = False) -> list:
-        """This stage's actions for a batch of ``num_microbatches`` (resolved once per configuration).
+        """This stage's actions, with its messages, for a batch of ``num_microbatches`` (resolved once a configuration).
 
         ``chunks``: the rank's :class:`~keras_pipe.engine.chunks.Chunk` list (one, but with a chunked schedule).
 
@@ -69,7 +73,7 @@ class StageActions:
                 else:
                     hold = {self.stage: schedule.hold_for(*sizes, num_microbatches)}
             if phase != "train":
-                plan = one_chunk.forward_only(self.num_stages, num_microbatches)
+                plan = one_chunk.forward_only(self.num_stages, num_microbatches, _last_forward(phase, whole_batch_loss))
             elif whole_batch_loss:
                 plan = one_chunk.gpipe(self.num_stages, num_microbatches, compute.split, whole_batch_loss=True)
             else:
@@ -79,7 +83,7 @@ class StageActions:
             actions = plan[self.stage]
             if phase == "train" and not compute.split:
                 actions = _unsplit(actions)
-            self._schedules[key] = actions
+            self._schedules[key] = self._lowered(actions)
         return self._schedules[key]
 
     def _chunked_actions(self, chunks: list, phase: str, num_microbatches: int, whole_batch_loss: bool) -> list:
@@ -100,7 +104,7 @@ class StageActions:
             name = self.schedule
             any_split = any(split) or schedule.needs_split_backward(name)
             if phase != "train":
-                plan = virtual.chunked_forward_only(p, m, v)
+                plan = virtual.chunked_forward_only(self.placement, m, _last_forward(phase, whole_batch_loss))
             elif whole_batch_loss or (name == "interleaved-1f1b" and not virtual.whole_rounds(p, m)):  # (a short batch)
                 plan = virtual.chunked_gpipe(self.placement, m, any_split, whole_batch_loss)
             else:
@@ -108,8 +112,19 @@ class StageActions:
             actions = plan[self.stage]
             if phase == "train":
                 actions = _unsplit(actions, [c for c, s in enumerate(split) if not s])
-            self._schedules[key] = actions
+            self._schedules[key] = self._lowered(actions)
         return self._schedules[key]
+
+    def _lowered(self, actions: list) -> list:
+        """This rank's ``actions`` with its sends and receives (see :mod:`keras_pipe.schedules.lowering`)."""
+        return lower_rank(actions, self.placement[self.stage], sum(map(len, self.placement)))
+
+
+def _last_forward(phase: str, whole_batch_loss: bool) -> Kind:
+    """What the last stage's forwards are outside training: with the loss (evaluation), or not (prediction)."""
+    if whole_batch_loss:
+        return Kind.FORWARD_HEAD  # (each micro-batch's terms summed, divided once the whole batch is counted)
+    return Kind.FORWARD_LOSS if phase == "test" else Kind.FORWARD
 
 
 def _unsplit(actions: list, chunks=None) -> list:

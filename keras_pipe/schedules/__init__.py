@@ -2,8 +2,9 @@
 
 The actions of a schedule (:mod:`.actions`), the one-chunk schedules
 (:mod:`.one_chunk`), the virtual stages' (:mod:`.virtual`) and zero-bubble
-ones (:mod:`.zero_bubble`), the names that make each (:mod:`.schedule`), the
-simulator's ideal clock (:mod:`.simulator`), ``schedule="auto"``
+ones (:mod:`.zero_bubble`), the names that make each (:mod:`.schedule`), their
+messages added as actions (:mod:`.lowering`: what each rank's executor runs),
+the simulator's ideal clock (:mod:`.simulator`), ``schedule="auto"``
 (:mod:`.auto`) and the cost model of a step (:mod:`.cost`). No tensors, no
 MPI: generated and checked in one process.
 
@@ -26,7 +27,14 @@ from keras_pipe.schedules.actions import (
     BACKWARD_WEIGHT,
     FORWARD,
     FORWARD_BACKWARD,
+    FORWARD_HEAD,
     FORWARD_INPUT,
+    FORWARD_LOSS,
+    RECV_B,
+    RECV_F,
+    SEED,
+    SEND_B,
+    SEND_F,
     Action,
     Holding,
     Kind,
@@ -36,6 +44,7 @@ from keras_pipe.schedules.actions import (
     max_in_flight,
 )
 from keras_pipe.schedules.cost import Estimate, Machine, Workload, choose_num_stages, estimate, layouts
+from keras_pipe.schedules.lowering import computing, lower
 from keras_pipe.schedules.one_chunk import forward_only, gpipe, one_f_one_b
 from keras_pipe.schedules.schedule import (
     CHUNKED_SCHEDULES,
@@ -58,6 +67,13 @@ __all__ = [
     "BACKWARD_WEIGHT",
     "FORWARD_BACKWARD",
     "FORWARD_INPUT",
+    "FORWARD_LOSS",
+    "FORWARD_HEAD",
+    "SEND_F",
+    "RECV_F",
+    "SEND_B",
+    "RECV_B",
+    "SEED",
     "Action",
     "act",
     "Holding",
@@ -77,6 +93,9 @@ __all__ = [
     "zero_bubble_h1",
     "zero_bubble_v",
     "interleaved_one_f_one_b",
+    # the messages as actions: the lists the executor runs
+    "lower",
+    "computing",
     # on paper: the simulator's clock
     "simulate",
     "makespan",

@@ -15,7 +15,13 @@ from keras_pipe.errors import PipelineConfigError
 
 
 class Kind(enum.Enum):
-    """What an action computes."""
+    """What an action computes, or which message it sends or receives.
+
+    The schedules (:mod:`.one_chunk`, :mod:`.virtual`, :mod:`.zero_bubble`)
+    are made of the computing kinds; :func:`keras_pipe.schedules.lowering.lower`
+    adds the messages (``SEND_F`` ... ``RECV_B``) and the last stage's
+    ``SEED``, and the executor runs that list.
+    """
 
     FORWARD = "F"
     BACKWARD = "B"
@@ -23,10 +29,17 @@ class Kind(enum.Enum):
     BACKWARD_WEIGHT = "W"
     FORWARD_BACKWARD = "FB"
     FORWARD_INPUT = "FI"
+    FORWARD_LOSS = "FL"  # last stage, evaluation: the forward and the loss of one micro-batch
+    FORWARD_HEAD = "FH"  # last stage, a loss over the whole batch: the forward, summing terms and divisors
+    SEND_F = "SEND_F"  # the stage's outputs to the stages that read them
+    RECV_F = "RECV_F"  # the stage's inputs from the stages that computed them
+    SEND_B = "SEND_B"  # the gradients of the stage's inputs back to those stages
+    RECV_B = "RECV_B"  # the gradients of the stage's outputs from the stages that read them
+    SEED = "SEED"  # last stage, a loss over the whole batch: the outputs' gradients, once every forward counted
 
     @property
     def forwards(self) -> bool:
-        return self in (Kind.FORWARD, Kind.FORWARD_BACKWARD, Kind.FORWARD_INPUT)
+        return self in (Kind.FORWARD, Kind.FORWARD_BACKWARD, Kind.FORWARD_INPUT, Kind.FORWARD_LOSS, Kind.FORWARD_HEAD)
 
     @property
     def input_gradient(self) -> bool:
@@ -37,11 +50,18 @@ class Kind(enum.Enum):
     def weight_gradient(self) -> bool:
         return self in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT, Kind.FORWARD_BACKWARD)
 
+    @property
+    def communicates(self) -> bool:
+        """Whether the action sends or receives a message (and computes nothing)."""
+        return self in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+
 
 # The kinds as the tests and diagrams spell them.
 FORWARD, BACKWARD = Kind.FORWARD, Kind.BACKWARD
 BACKWARD_INPUT, BACKWARD_WEIGHT = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 FORWARD_BACKWARD, FORWARD_INPUT = Kind.FORWARD_BACKWARD, Kind.FORWARD_INPUT
+FORWARD_LOSS, FORWARD_HEAD = Kind.FORWARD_LOSS, Kind.FORWARD_HEAD
+SEND_F, RECV_F, SEND_B, RECV_B, SEED = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SEED
 
 
 class Holding(NamedTuple):
@@ -95,7 +115,7 @@ def max_in_flight(actions: list[Action]) -> int:
     """The largest number of micro-batches whose activations a stage holds at once (between F and B/I)."""
     alive = peak = 0
     for action in actions:
-        if action.kind is FORWARD:
+        if action.kind in (FORWARD, FORWARD_HEAD):
             alive += 1
         elif action.kind in (BACKWARD, BACKWARD_INPUT):
             alive -= 1
@@ -120,7 +140,7 @@ def max_held(actions: list[Action], cost: float = 1.0) -> float:
     for position, action in enumerate(actions):
         if action.kind in (FORWARD_BACKWARD, FORWARD_INPUT):
             peak = max(peak, in_flight + cost * pending + 1)
-        in_flight += action.kind is FORWARD
+        in_flight += action.kind in (FORWARD, FORWARD_HEAD)
         in_flight -= action.kind in (BACKWARD, BACKWARD_INPUT)
         pending += action.kind in (BACKWARD_INPUT, FORWARD_INPUT)
         pending -= len(action.microbatches) if action.kind is BACKWARD_WEIGHT else 0
@@ -172,6 +192,11 @@ def _split(schedule: list[list[Action]], split_backward: bool, holdings: list) -
                     split += _weights(pending)
         result.append(split + _weights(pending))
     return result
+
+
+def _last_forwards(actions: list[Action], kind: Kind, chunk: int = 0) -> list[Action]:
+    """The last virtual stage's forwards (``chunk``'s ``F``) as ``kind``: ``FORWARD_HEAD`` or ``FORWARD_LOSS``."""
+    return [Action(kind, a.microbatches, a.chunk) if a.kind is FORWARD and a.chunk == chunk else a for a in actions]
 
 
 def _weights(pending: dict) -> list[Action]:

@@ -6,11 +6,13 @@ from keras_pipe.schedules.actions import (
     BACKWARD,
     FORWARD,
     FORWARD_BACKWARD,
+    FORWARD_HEAD,
     Action,
     Holding,
     Kind,
     _check,
     _holdings,
+    _last_forwards,
     _split,
     act,
     max_in_flight,
@@ -28,10 +30,11 @@ def gpipe(
 
     Every stage but the last keeps the activations of all ``m``
     micro-batches alive; the last one runs each backward with its forward,
-    unless ``whole_batch_loss``: then it too runs all its forwards first,
-    because its loss needs the whole batch before any backward (the mean of
-    a masked output is over the batch's unmasked entries, counted only by
-    the forwards).
+    unless ``whole_batch_loss``: then it too runs all its forwards first
+    (``FH``: each sums its terms and counts their divisors), because its
+    loss needs the whole batch before any backward (the mean of a masked
+    output is over the batch's unmasked entries, counted only by the
+    forwards).
 
     ```
     # GPipe, 3 stages, 4 micro-batches:
@@ -49,7 +52,7 @@ def gpipe(
     >>> [str(a) for a in gpipe(2, 2, split_backward=True)[1]]
     ['FI0', 'FI1', 'W0-1']
     >>> [str(a) for a in gpipe(2, 2, whole_batch_loss=True)[1]]
-    ['F0', 'F1', 'B0', 'B1']
+    ['FH0', 'FH1', 'B0', 'B1']
     """
     _check(num_stages, num_microbatches)
     m = num_microbatches
@@ -58,7 +61,8 @@ def gpipe(
     plan = [list(stage) for _ in range(num_stages - 1)] + [last]
     # (holding every micro-batch for one W, whatever it costs: GPipe's memory for its speed)
     hold = {s: Holding(None, (hold or {}).get(s, Holding()).cost) for s in range(num_stages)}
-    return _split(plan, split_backward, _holdings(hold, [m * max(h.cost, 1.0) for h in hold.values()]))
+    plan = _split(plan, split_backward, _holdings(hold, [m * max(h.cost, 1.0) for h in hold.values()]))
+    return plan[:-1] + [_last_forwards(plan[-1], FORWARD_HEAD)] if whole_batch_loss else plan
 
 
 def one_f_one_b(
@@ -98,10 +102,19 @@ def one_f_one_b(
     return _split(schedule, split_backward, _holdings(hold, [max_in_flight(actions) for actions in schedule]))
 
 
-def forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """Forwards only, in order: the schedule of ``evaluate`` and ``predict``."""
+def forward_only(num_stages: int, num_microbatches: int, last: Kind = FORWARD) -> list[list[Action]]:
+    """Forwards only, in order: the schedule of ``evaluate`` and ``predict``.
+
+    ``last``: what the last stage runs: ``FORWARD`` (``predict``: its outputs
+    are the predictions), ``FORWARD_LOSS`` (``evaluate``: the loss too) or
+    ``FORWARD_HEAD`` (``evaluate`` of a loss over the whole batch).
+
+    >>> [[str(a) for a in actions] for actions in forward_only(2, 2, Kind.FORWARD_LOSS)]
+    [['F0', 'F1'], ['FL0', 'FL1']]
+    """
     _check(num_stages, num_microbatches)
-    return [[act(FORWARD, i) for i in range(num_microbatches)] for _ in range(num_stages)]
+    plan = [[act(FORWARD, i) for i in range(num_microbatches)] for _ in range(num_stages)]
+    return plan[:-1] + [_last_forwards(plan[-1], last)]
 
 
 def _one_f_one_b_stage(num_stages: int, s: int, m: int, backward: Kind) -> list[Action]:

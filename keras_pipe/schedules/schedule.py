@@ -2,13 +2,16 @@
 
 A schedule says, for each stage, in which order it runs which computation on
 which micro-batch. It holds no tensors and does no communication, so it is
-generated and checked in a single process; :mod:`keras_pipe.engine.executor` walks
-it, and :mod:`keras_pipe.schedules.simulator` runs it on an ideal clock (the deadlock
-and completeness checks, the time it takes). Communication follows from the actions: a forward on stage ``s > 0``
-receives activations from ``s - 1``, a forward on stage ``s < last`` sends
-them to ``s + 1``; an action computing an input gradient receives the
-gradient of the stage output from ``s + 1`` (unless ``s`` is last) and sends
-the gradient of the stage input to ``s - 1`` (unless ``s`` is first).
+generated and checked in a single process. Its communication follows from
+the actions, and :func:`keras_pipe.schedules.lowering.lower` adds it as actions
+of its own: a forward on stage ``s > 0`` receives activations from ``s - 1``
+(``RECV_F``), a forward on stage ``s < last`` sends them to ``s + 1``
+(``SEND_F``); an action computing an input gradient receives the gradient
+of the stage output from ``s + 1`` (``RECV_B``, unless ``s`` is last) and
+sends the gradient of the stage input to ``s - 1`` (``SEND_B``, unless ``s``
+is first). :mod:`keras_pipe.engine.executor` runs those lowered lists, and
+:mod:`keras_pipe.schedules.simulator` runs them on an ideal clock (the
+deadlock, message and completeness checks, the time it takes).
 
 The kinds of action (:class:`~keras_pipe.schedules.actions.Kind`), as in the zero-bubble papers:
 
@@ -20,7 +23,11 @@ The kinds of action (:class:`~keras_pipe.schedules.actions.Kind`), as in the zer
 - ``FB`` and ``FI``: the last stage's forward, loss and ``B`` (or ``I``) of
   one micro-batch as one computation. The last stage needs nothing from
   another rank between its forward and its backward, so the schedule says so
-  with one action instead of a rule the executor would have to remember.
+  with one action instead of a rule the executor would have to remember;
+- ``FL`` and ``FH``: the last stage's other forwards, for the same reason:
+  with the loss in evaluation, and summing each loss term and its divisor
+  where the loss is over the whole batch (a masked output's mean), whose
+  backwards run once every forward counted the batch.
 
 With a split backward (``I`` + ``W``), ``"1f1b"`` and ``"gpipe"`` batch
 the ``W`` of as many micro-batches as the schedule's memory bound allows:

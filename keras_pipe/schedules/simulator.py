@@ -20,11 +20,19 @@ from keras_pipe.schedules.actions import (
     BACKWARD_WEIGHT,
     FORWARD,
     FORWARD_BACKWARD,
+    FORWARD_HEAD,
     FORWARD_INPUT,
+    FORWARD_LOSS,
+    RECV_B,
+    RECV_F,
+    SEED,
+    SEND_B,
+    SEND_F,
     Action,
     Kind,
     format_actions,
 )
+from keras_pipe.schedules.lowering import lower
 
 
 def durations_of(forward: float, input_gradient: float, weight_gradient: float) -> dict:
@@ -52,47 +60,125 @@ DURATIONS = durations_of(1, 1, 1)
 def simulate(
     schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None
 ) -> list[list[tuple[int, Action]]]:
-    """Runs a schedule on an ideal clock and returns ``(start tick, action)`` per stage.
+    """Runs a schedule's lowered lists on an ideal clock and returns ``(start tick, action)`` per rank.
 
-    Each action takes ``durations[kind]`` ticks per micro-batch (all 1 by
-    default), sends never block, and an action starts when its stage is free
-    and its inputs have arrived. Raises :class:`PipelineConfigError` showing
-    the stuck actions if the schedule deadlocks, or the stage if it does not
-    run every forward, input gradient and weight gradient exactly once.
+    The schedule is lowered first (:func:`~keras_pipe.schedules.lowering.lower`:
+    its messages added) unless it is: the lists run are those the executor
+    runs. Each action takes ``durations[kind]`` ticks per micro-batch (1 for
+    a computing kind not given, ``FL`` and ``FH`` a forward's, 0 for a
+    message or a seed). A send never blocks; a receive waits until its
+    message was sent, and takes the oldest message its sender sent it of
+    that kind (each ordered pair of virtual stages keeps its messages in
+    order, as MPI does); a computing action starts when its rank is free and
+    what it reads is there (its received inputs or output gradients, its own
+    forward or input gradient).
+
+    Raises :class:`PipelineConfigError` showing the stuck actions if the
+    lists deadlock; naming the action if a receive would take another
+    micro-batch's message, a send sends what was not computed, or a message
+    is never received; or the stage if it does not run every forward, input
+    gradient and weight gradient exactly once.
 
     ``placement[r][c]``: the virtual stage that chunk ``c`` of rank ``r`` holds
     (:mod:`keras_pipe.schedules.virtual`; by default rank ``r`` holds stage ``r`` alone).
     """
     durations = durations or {}
     placement = placement or [[s] for s in range(len(schedule))]
+    schedule = lower(schedule, placement)
     num_virtual = sum(map(len, placement))
-    done: dict[tuple[int, str, int], int] = {}  # (virtual stage, "F"/"I"/"W", microbatch) -> end tick
-    num_stages = len(schedule)
-    position = [0] * num_stages
-    free_at = [0] * num_stages
-    timeline: list[list[tuple[int, Action]]] = [[] for _ in range(num_stages)]
-    while any(position[s] < len(schedule[s]) for s in range(num_stages)):
+    microbatches = 1 + max((i for actions in schedule for a in actions for i in a.microbatches), default=-1)
+    done: dict[tuple[int, str, int], float] = {}  # (virtual stage, part, micro-batch) -> end tick
+    channels: dict[tuple[int, int, str], list] = {}  # (from, to, "F"/"B") -> [(micro-batch, sent at)], oldest first
+    forwards = [0] * num_virtual  # forwards run on each virtual stage (a seed waits for all)
+    num_ranks = len(schedule)
+    position = [0] * num_ranks
+    free_at = [0] * num_ranks
+    timeline: list[list[tuple[int, Action]]] = [[] for _ in range(num_ranks)]
+    while any(position[r] < len(schedule[r]) for r in range(num_ranks)):
         progressed = False
-        for s in range(num_stages):
-            if position[s] == len(schedule[s]):
-                continue
-            action = schedule[s][position[s]]
-            k = placement[s][action.chunk]
-            deps = [d for i in action.microbatches for d in _dependencies(k, action.kind, i, num_virtual)]
-            if all(d in done for d in deps):
-                start = max([free_at[s]] + [done[d] for d in deps])
+        for r in range(num_ranks):
+            while position[r] < len(schedule[r]):  # (a rank runs on until it waits)
+                action = schedule[r][position[r]]
+                k = placement[r][action.chunk]
+                ready = _ready(action, k, num_virtual, microbatches, done, channels, forwards, (r, position[r]))
+                if ready is None:
+                    break
+                start = max([free_at[r], *ready])
                 end = start + _ticks(action, durations)
-                for i in action.microbatches:
-                    for part in _parts(action.kind):
-                        done[(k, part, i)] = end
-                free_at[s] = end
-                timeline[s].append((start, action))
-                position[s] += 1
+                _complete(action, k, end, done, channels, forwards)
+                free_at[r] = end
+                timeline[r].append((start, action))
+                position[r] += 1
                 progressed = True
         if not progressed:
             raise PipelineConfigError("schedule deadlocks:\n" + _show(schedule, position))
+    left = {key: [i for i, _ in queue] for key, queue in channels.items() if queue}
+    if left:
+        (source, destination, what), mbs = next(iter(left.items()))
+        raise PipelineConfigError(
+            f"virtual stage {source} sends {_WHAT[what]} of micro-batches {mbs} to virtual stage {destination}, "
+            "which never receives them"
+        )
     _check_complete(schedule, placement)
     return timeline
+
+
+_WHAT = {"F": "the activations", "B": "the gradients"}
+
+
+def _ready(action, k, num_virtual, microbatches, done, channels, forwards, where) -> list | None:
+    """The ticks ``action`` waits for on virtual stage ``k`` (``None``: it cannot start yet).
+
+    Raises where it never could: a receive that would take another
+    micro-batch's message, a send of what the rank has not computed.
+    """
+    kind = action.kind
+    if kind in (RECV_F, RECV_B):
+        key = (k - 1, k, "F") if kind is RECV_F else (k + 1, k, "B")
+        if key[0] < 0 or key[0] >= num_virtual:
+            raise PipelineConfigError(f"rank {where[0]}'s action {where[1]} ({action}): virtual stage {k} has no peer")
+        queue = channels.get(key)
+        if not queue:
+            return None
+        if queue[0][0] != action.microbatch:
+            raise PipelineConfigError(
+                f"rank {where[0]}'s action {where[1]} ({action}) on virtual stage {k} would receive "
+                f"{_WHAT[key[2]]} of micro-batch {queue[0][0]}: messages from virtual stage {key[0]} come in the "
+                "order they were sent"
+            )
+        return [queue[0][1]]
+    if kind in (SEND_F, SEND_B):
+        part = "F" if kind is SEND_F else "I"
+        if (k, part, action.microbatch) not in done:
+            raise PipelineConfigError(
+                f"rank {where[0]}'s action {where[1]} ({action}) on virtual stage {k} sends what it has not computed"
+            )
+        return [done[(k, part, action.microbatch)]]
+    if kind is SEED:  # (the divisors of the whole batch: every forward of the stage counted first)
+        return [] if forwards[k] == microbatches else None
+    deps = [d for i in action.microbatches for d in _dependencies(k, kind, i)]
+    if all(d in done for d in deps):
+        return [done[d] for d in deps]
+    return None
+
+
+def _complete(action, k, end, done, channels, forwards) -> None:
+    """What ``action`` on virtual stage ``k`` leaves behind once it ends at tick ``end``."""
+    kind, i = action.kind, action.microbatch
+    if kind is SEND_F:
+        channels.setdefault((k, k + 1, "F"), []).append((i, end))
+    elif kind is SEND_B:
+        channels.setdefault((k, k - 1, "B"), []).append((i, end))
+    elif kind in (RECV_F, RECV_B):
+        channels[(k - 1, k, "F") if kind is RECV_F else (k + 1, k, "B")].pop(0)
+        done[(k, "received " + kind.value[-1], i)] = end
+    elif kind is SEED:
+        done[(k, "received B", i)] = end
+    else:
+        forwards[k] += kind.forwards
+        for j in action.microbatches:
+            for part in _parts(kind):
+                done[(k, part, j)] = end
 
 
 def makespan(schedule: list[list[Action]], durations: dict | None = None, placement: list | None = None) -> int:
@@ -126,14 +212,14 @@ def _parts(kind: Kind) -> tuple:
     )
 
 
-def _dependencies(stage: int, kind: Kind, i: int, num_stages: int) -> list[tuple[int, str, int]]:
+def _dependencies(stage: int, kind: Kind, i: int) -> list[tuple[int, str, int]]:
+    """What a computing action on ``stage`` reads: its received inputs or output gradients, its own earlier parts."""
     deps = []
     if kind.forwards and stage > 0:
-        deps.append((stage - 1, "F", i))
+        deps.append((stage, "received F", i))
     if kind.input_gradient and not kind.forwards:
         deps.append((stage, "F", i))
-    if kind.input_gradient and stage < num_stages - 1:
-        deps.append((stage + 1, "I", i))
+        deps.append((stage, "received B", i))
     if kind is BACKWARD_WEIGHT:
         deps.append((stage, "I", i))
     return deps
@@ -188,6 +274,8 @@ def gantt(schedule: list[list[Action]], durations: dict | None = None, placement
         row = ["."] * width
         for start, action in stage:
             ticks = int(_ticks(action, durations))
+            if not ticks:  # (a message or a seed, taking no time)
+                continue
             letters = "".join(_parts(action.kind)).replace("IW", "B")
             marks = "".join(letter * int(durations.get(Kind(letter), 1)) for letter in letters)
             marks *= len(action.microbatches)
@@ -198,8 +286,15 @@ def gantt(schedule: list[list[Action]], durations: dict | None = None, placement
 
 
 def _ticks(action: Action, durations: dict) -> float:
-    """How long ``action`` takes: its kind's duration per micro-batch."""
-    return durations.get(action.kind, 1) * len(action.microbatches)
+    """How long ``action`` takes: its kind's duration per micro-batch (see :func:`simulate` for the defaults)."""
+    kind = action.kind
+    per = durations.get(kind)
+    if per is None:
+        if kind.communicates or kind is SEED:
+            per = 0
+        else:
+            per = durations.get(FORWARD, 1) if kind in (FORWARD_LOSS, FORWARD_HEAD) else 1
+    return per * len(action.microbatches)
 
 
 def _mark(letter: str, chunk: int) -> str:

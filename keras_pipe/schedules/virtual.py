@@ -34,10 +34,13 @@ from keras_pipe.schedules.actions import (
     BACKWARD,
     FORWARD,
     FORWARD_BACKWARD,
+    FORWARD_HEAD,
     Action,
     Holding,
+    Kind,
     _check,
     _holdings,
+    _last_forwards,
     _split,
     act,
     check_count,
@@ -158,7 +161,7 @@ def chunked_gpipe(
     placement runs without deadlock, for any number of micro-batches, at
     GPipe's memory. The last virtual stage runs each backward with its
     forward, unless ``whole_batch_loss``: then it too runs every forward
-    first.
+    first (``FH``).
 
     ```
     # 2 ranks, loop placement, 2 micro-batches:
@@ -181,15 +184,30 @@ def chunked_gpipe(
         schedule.append(_fuse_last(actions, fused[0]) if fused else actions)
     # (holding every micro-batch for one W a chunk, as GPipe does)
     everything = Holding(float(m * max(map(len, placement))) + 1)
-    return _split(schedule, split_backward, [everything] * len(placement))
+    schedule = _split(schedule, split_backward, [everything] * len(placement))
+    return _last_chunk_forwards(schedule, placement, FORWARD_HEAD) if whole_batch_loss else schedule
 
 
-def chunked_forward_only(num_ranks: int, num_microbatches: int, num_chunks: int) -> list[list[Action]]:
+def chunked_forward_only(placement: list[list[int]], num_microbatches: int, last: Kind = FORWARD) -> list[list[Action]]:
     """Forwards only, chunk after chunk (evaluation and prediction with several chunks a rank).
 
-    >>> [str(a) for a in chunked_forward_only(2, 2, 2)[0]]
+    ``last``: what the last virtual stage runs, as for :func:`~keras_pipe.schedules.one_chunk.forward_only`.
+
+    >>> [str(a) for a in chunked_forward_only(loop_placement(2, 2), 2)[0]]
     ['F0', 'F1', 'F0@1', 'F1@1']
+    >>> [str(a) for a in chunked_forward_only(v_placement(2), 2, Kind.FORWARD_LOSS)[0]]
+    ['F0', 'F1', 'FL0@1', 'FL1@1']
     """
-    _check(num_ranks, num_microbatches)
-    check_count("num_chunks", num_chunks, "1: one stage a rank")
-    return [[act(FORWARD, i, chunk=c) for c in range(num_chunks) for i in range(num_microbatches)]] * num_ranks
+    _check(len(placement), num_microbatches)
+    chunks = range(len(placement[0]))
+    schedule = [[act(FORWARD, i, chunk=c) for c in chunks for i in range(num_microbatches)] for _ in placement]
+    return _last_chunk_forwards(schedule, placement, last)
+
+
+def _last_chunk_forwards(schedule: list[list[Action]], placement: list[list[int]], kind: Kind) -> list[list[Action]]:
+    """The forwards of the last virtual stage (wherever the placement puts it) as ``kind``."""
+    last = sum(map(len, placement)) - 1
+    return [
+        _last_forwards(actions, kind, stages.index(last)) if last in stages else actions
+        for actions, stages in zip(schedule, placement)
+    ]

@@ -18,6 +18,7 @@ from test_executor import FakeCompute, FakeLinks, Status, training_batch
 from keras_pipe.engine.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
 from keras_pipe.engine.executor import Executor
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.schedules.lowering import lower
 from keras_pipe.schedules.schedule import check_chunks, default_chunks, make_schedule, placement
 
 
@@ -96,7 +97,7 @@ def _run_two_chunks(optimizer, fusable: bool):
         len(computes)
     )
     try:
-        executor.run(make_schedule("zb-v", 1, m, num_chunks=2)[0], batch)
+        executor.run(lower(make_schedule("zb-v", 1, m, num_chunks=2), placement("zb-v", 1, 2))[0], batch)
     finally:
         step_end_module.apply_together = original
     return logs, updates

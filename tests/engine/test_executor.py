@@ -6,7 +6,7 @@ import pytest
 from keras_pipe.engine.batch import Batch
 from keras_pipe.engine.executor import Executor
 from keras_pipe.engine.step_end import clip_scale, whole_model_scale
-from keras_pipe.schedules import gpipe, make_schedule
+from keras_pipe.schedules import FORWARD_LOSS, forward_only, gpipe, lower, make_schedule
 
 
 class FakeGradients:
@@ -91,7 +91,7 @@ class OneTerm:
 
 def replay(schedule_name, stage, num_stages, m, split):
     log = []
-    actions = make_schedule(schedule_name, num_stages, m, split)[stage]
+    actions = lower(make_schedule(schedule_name, num_stages, m, split))[stage]
     executor = Executor(
         FakeCompute(log, split),
         FakeLinks(log),
@@ -183,7 +183,7 @@ def test_a_failing_action_leaves_nothing_behind():
     executor = Executor(Failing(log, False), FakeLinks(log), None, True, False, Status(), "stage 0")
     batch = Batch(phase="train", batch_size=4, bounds=[(0, 4)], x=[np.zeros((4, 1))], optimizer="adam")
     with pytest.raises(RuntimeError, match="boom"):
-        executor.run(make_schedule("1f1b", 2, 1)[0], batch)
+        executor.run(lower(make_schedule("1f1b", 2, 1))[0], batch)
     assert log[-1] == "forget"
     assert executor.step == 1
 
@@ -216,13 +216,28 @@ def test_a_masked_mean_loss_is_seeded_once_the_whole_batch_is_counted():
         optimizer="adam",
         whole_batch_loss=True,
     )
-    result = executor.run(gpipe(2, 2, whole_batch_loss=True)[1], batch)
+    result = executor.run(lower(gpipe(2, 2, whole_batch_loss=True))[1], batch)
     assert log == [
         "receive activation", "F0", "receive activation", "F1",
         "B0 seed 0.125", "send gradient", "B1 seed 0.125", "send gradient",
         "update",
     ]  # fmt: skip
     assert result.loss_part == pytest.approx(5.0 / 8)
+
+
+def test_evaluation_computes_the_loss_in_the_last_stages_own_forward():
+    class Evaluating(FakeCompute):
+        def forward_loss(self, loss, inputs, y, sample_weight, coefficients):
+            self.log.append(f"FL rows {len(y)}")
+            return 0.25, np.ones(1), [np.zeros(1)]
+
+    log = []
+    executor = Executor(Evaluating(log, False), FakeLinks(log), None, False, True, Status(), "stage 1")
+    batch = training_batch(2)
+    batch.phase = "test"
+    result = executor.run(lower(forward_only(2, 2, FORWARD_LOSS))[1], batch)
+    assert log == ["receive activation", "FL rows 4", "receive activation", "FL rows 4"]
+    assert result.loss_part == 0.5 and list(result.terms) == [1.0]  # (each micro-batch's terms at its share)
 
 
 def test_the_whole_models_gradient_scale():

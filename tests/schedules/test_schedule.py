@@ -23,6 +23,7 @@ from keras_pipe.schedules import (
     one_f_one_b,
     zero_bubble_h1,
 )
+from keras_pipe.schedules.lowering import lower
 from keras_pipe.schedules.simulator import DURATIONS, format_schedule, makespan, simulate
 
 
@@ -44,8 +45,9 @@ def test_gpipe_runs_all_forwards_then_backwards_in_order():
 def test_a_whole_batch_loss_runs_every_forward_of_the_last_stage_first():
     # A masked output's mean loss divides by the batch's unmasked entries: the
     # last stage counts them in its forwards before its first backward.
+    # (its forwards sum the terms and count the divisors: FH)
     plan = gpipe(3, 3, whole_batch_loss=True)
-    assert [format_actions(a) for a in plan] == ["F0 F1 F2 B0 B1 B2"] * 3
+    assert [format_actions(a) for a in plan] == ["F0 F1 F2 B0 B1 B2"] * 2 + ["FH0 FH1 FH2 B0 B1 B2"]
     assert makespan(plan, {FORWARD: 1, BACKWARD: 1}) == 2 * (3 + 3 - 1)  # no longer than GPipe
 
 
@@ -159,7 +161,7 @@ def test_every_schedule_completes_without_deadlock(name, split, stages, microbat
         # Input gradients in micro-batch order on every stage: gradients are
         # summed in the same order by every schedule.
         assert [a.microbatch for a in actions if a.kind.input_gradient] == list(range(microbatches))
-        assert len(timeline[stage]) == len(actions)
+        assert [a for _, a in timeline[stage]] == lower(schedule)[stage]  # (what the executor runs)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -212,7 +214,7 @@ def test_a_weight_pass_before_its_input_gradient_deadlocks():
         [act(FORWARD, 0), act(BACKWARD_WEIGHT, 0), act(BACKWARD_INPUT, 0)],
         [act(FORWARD_INPUT, 0), act(BACKWARD_WEIGHT, 0)],
     ]
-    with pytest.raises(PipelineConfigError, match=r"stage 0: F0 W0 <-- STUCK HERE I0"):
+    with pytest.raises(PipelineConfigError, match=r"stage 0: F0 SEND_F0 W0 <-- STUCK HERE RECV_B0 I0"):
         simulate(bad)
 
 
@@ -242,7 +244,7 @@ def test_the_docstring_examples():
     import doctest
 
     import keras_pipe.schedules
-    from keras_pipe.schedules import actions, one_chunk, schedule, simulator
+    from keras_pipe.schedules import actions, lowering, one_chunk, schedule, simulator
 
-    for module in (keras_pipe.schedules, actions, one_chunk, schedule, simulator):
+    for module in (keras_pipe.schedules, actions, lowering, one_chunk, schedule, simulator):
         assert doctest.testmod(module).failed == 0, module.__name__

@@ -10,7 +10,9 @@ from keras_pipe.schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
+    FORWARD_HEAD,
     FORWARD_INPUT,
+    FORWARD_LOSS,
     Holding,
     format_actions,
     max_held,
@@ -170,9 +172,10 @@ def test_gpipe_over_chunks_runs_any_placement_and_any_count(placement, microbatc
     ((r, c),) = [(r, c) for r, stages in enumerate(placement) for c, k in enumerate(stages) if k == final]
     kinds = {a.kind for a in schedule[r] if a.chunk == c}
     # the loss's stage runs every forward before any backward where the loss needs the whole batch
-    assert (FORWARD in kinds) == whole_batch_loss, (whole_batch_loss, format_actions(schedule[r]))
-    forwards = chunked_forward_only(len(placement), microbatches, len(placement[0]))
-    simulate(forwards, DURATIONS, placement)
+    assert (FORWARD_HEAD in kinds) == whole_batch_loss, (whole_batch_loss, format_actions(schedule[r]))
+    assert FORWARD not in kinds
+    for last in (FORWARD, FORWARD_LOSS, FORWARD_HEAD):
+        simulate(chunked_forward_only(placement, microbatches, last), DURATIONS, placement)
 
 
 def test_gpipe_over_chunks_matches_the_diagram():
