@@ -36,7 +36,8 @@ import keras
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
-from keras_pipe.model.saving import on_root, write_weights
+from keras_pipe.model.saving import write_weights
+from keras_pipe.model.transfer import on_root
 from keras_pipe.model.weights import ordered
 from keras_pipe.mpi.comm import Communicator
 from keras_pipe.mpi.files import copy, write_text

@@ -15,7 +15,7 @@ from __future__ import annotations
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.model import weights as _weights
-from keras_pipe.model.saving import on_root
+from keras_pipe.model.transfer import on_root
 
 
 def save_to_preset(model, preset_dir) -> None:
