@@ -184,7 +184,7 @@ class WholeArrays:
     """A whole model's weights (in its ``weights`` order) and optimizer state, as numpy arrays (rank 0).
 
     What :func:`load_into` takes where the whole model only lived for a
-    moment (its layers are this process's own, :func:`of_layers`).
+    moment (its layers are this process's own: ``ModelSaver.of_layers``).
     """
 
     def __init__(self, whole: keras.Model):
