@@ -3,7 +3,11 @@
 A thin Keras façade: it does what a ``keras.Model`` does (arguments,
 ``compile``, ``fit``/``evaluate``/``predict``, the step methods, weights,
 saving, ``summary``) and hands the pipeline to its
-:class:`~keras_pipe.engine.engine.Engine`.
+:class:`~keras_pipe.engine.engine.Engine`. ``keras.Model`` is its one base;
+its building, saving and step methods delegate to members it holds, out of
+Keras' tracking: a :class:`~keras_pipe.model.building.ModelBuilder`, a
+:class:`~keras_pipe.model.saving.ModelSaver` and
+:class:`~keras_pipe.model.steps.ModelSteps`.
 """
 
 from __future__ import annotations
