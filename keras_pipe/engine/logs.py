@@ -102,6 +102,15 @@ class ModelLogs:
         engine.span("share logs", began)
         return {"loss": self._track_loss(loss, samples), **metrics}
 
+    def flatten_in_order(self, logs: dict):
+        """``model._flatten_metrics_in_order(logs)``: the values in the last stage's order on every rank (where
+        Sequential lists a metric twice, so does this); ``None`` before a step has shared the order."""
+        order = self.order
+        if order is None or not set(order) <= set(logs):
+            return None
+        values = [logs[name] for name in order] + [logs[name] for name in logs if name not in order]
+        return values[0] if len(values) == 1 else values
+
     def directions(self) -> dict:
         """``{name: "up" or "down"}`` of the compiled metrics, as ``MonitorCallback`` reads them (last stage)."""
         found = {}

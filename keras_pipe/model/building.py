@@ -1,9 +1,11 @@
 """What makes a ``PipelineModel`` a model: its layers or graph, building, calling it, shapes, other models.
 
-:class:`ModelBuilding` is the part of the façade that ``keras.Sequential``
+:class:`ModelBuilder` is the part of the façade that ``keras.Sequential``
 and Functional models have: ``add``/``pop``, ``layers``, ``inputs`` and
-``outputs``, ``build``, ``__call__`` and shape inference, and the
-constructors from existing models. Two things happen at two times:
+``outputs``, ``build``, ``call`` and shape inference; the model holds one
+and its methods of those names delegate to it. :func:`pipeline_of` and
+:func:`pipeline_of_sequential` are the constructors from existing models.
+Two things happen at two times:
 
 - the model's **graph** (a Functional model; a chain is made one, as
   ``Sequential`` makes one) exists as soon as its input is known, on every
@@ -25,61 +27,117 @@ from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import graph as graphs
 from keras_pipe.graph import trace as traces
 from keras_pipe.model import weights as _weights
-from keras_pipe.mpi.failure import collective
 
 
-class ModelBuilding:
-    """The model-building side of ``PipelineModel`` (a mixin; the façade provides ``engine``)."""
+class ModelBuilder:
+    """A ``PipelineModel``'s layers or graph, and the building of its pipeline over the ranks.
+
+    Not a Keras object: the model holds it untracked. Nothing here is
+    collective by itself; the model's methods that call it are.
+
+    Args:
+        model: the ``PipelineModel`` it builds. Read for its ``name`` and
+            ``trainable`` flag; once its pipeline is built, the model's
+            ``built`` flag is set and ``model._stage_layers`` (the list
+            Keras tracks on the model: its weights are this rank's) holds
+            this rank's layers.
+        engine: the model's :class:`~keras_pipe.engine.engine.Engine` (the
+            cut, this rank's stage, the world).
+
+    Attributes:
+        layers: a chain's layers, in order (empty for a model made from a graph).
+        input_spec: a chain's input, ``(shape, dtype)`` pairs in its structure; ``None`` while unknown.
+        input_tensor: the user's ``keras.Input``, kept as given (``model.inputs`` is this very tensor, as in
+            ``Sequential``); ``None`` if none was given.
+        source: the Functional model the pipeline runs (a chain's, made once its input is known), or ``None``.
+        from_graph: whether the model was made from a graph (``inputs=``/``outputs=``, ``from_model``).
+        call_dtypes: the dtypes of a call's inputs before the graph was known (a chain's input takes them).
+        first_batch_size: the first batch's size (the engine measures ``balance="time"`` on a micro-batch of it).
+    """
+
+    def __init__(self, model, engine):
+        self.model = model
+        self.engine = engine
+        self.layers: list = []
+        self.input_spec = None
+        self.input_tensor = None
+        self.source = None
+        self.from_graph = False
+        self.call_dtypes = None
+        self.first_batch_size = None
+
+    def start(self, layers, inputs, outputs, name) -> None:
+        """The constructor's arguments: a list of layers, or ``inputs`` and ``outputs`` (then built, collectively)."""
+        if outputs is not None and inputs is None and layers is not None:
+            inputs, layers = layers, None  # PipelineModel(inputs, outputs), as keras.Model(inputs, outputs)
+        if inputs is not None or outputs is not None:
+            if layers is not None:
+                raise PipelineConfigError("give either a list of layers or inputs= and outputs=, not both.")
+            if inputs is None or outputs is None:
+                raise PipelineConfigError("a Functional PipelineModel needs both inputs= and outputs=.")
+            self.use_model(keras.Model(inputs, outputs, name=name))
+            # built as a Functional model is, once constructed: the cut and this rank's stage (collective,
+            # as creating the model is); its weights are those of the layers the graph was made of
+            self.build_pipeline()
+        for item in layers or []:
+            self.add(item, rebuild=False)
+        if layers:
+            self.follow_layers()
+
+    def use_model(self, model) -> None:
+        """The pipeline runs ``model`` (a Functional model, or a traced view of a subclassed one)."""
+        self.source = model
+        self.from_graph = True
 
     # -- the layers --------------------------------------------------------
 
     def add(self, layer, rebuild: bool = True) -> None:
         """Appends a layer (or, first, a ``keras.Input``), as ``Sequential.add``."""
-        if self._source is not None and self._from_graph:
+        if self.source is not None and self.from_graph:
             raise PipelineConfigError("a PipelineModel made from a graph (inputs=, outputs=) takes no more layers.")
-        if not self._pipeline_layers and compat.input_shape_argument(layer) is not None:
+        if not self.layers and compat.input_shape_argument(layer) is not None:
             # the legacy Dense(4, input_shape=(2,)): its input, as Sequential reads it
             self.add(keras.Input(shape=compat.input_shape_argument(layer)))
         if isinstance(layer, keras.layers.InputLayer):
             layer = layer.output
         if isinstance(layer, keras.KerasTensor):
-            if self._pipeline_layers or self._pipeline_input is not None:
+            if self.layers or self.input_spec is not None:
                 raise PipelineConfigError(
-                    f"PipelineModel {self.name!r} has already been configured to use input shape "
-                    f"{self._pipeline_input[0] if self._pipeline_input else '(from its first layer)'}: "
+                    f"PipelineModel {self.model.name!r} has already been configured to use input shape "
+                    f"{self.input_spec[0] if self.input_spec else '(from its first layer)'}: "
                     "keras.Input can only be the first item of its layer list."
                 )
-            self._pipeline_input = keras.tree.map_structure(lambda t: (tuple(t.shape), str(t.dtype)), layer)
-            object.__setattr__(self, "_input_tensor", layer)  # model.inputs is this very tensor, as in Sequential
+            self.input_spec = keras.tree.map_structure(lambda t: (tuple(t.shape), str(t.dtype)), layer)
+            self.input_tensor = layer
             return
         if not isinstance(layer, keras.layers.Layer):
             raise PipelineConfigError(
                 f"Only instances of `keras.Layer` can be added to a PipelineModel. Received: {layer!r} "
                 f"(of type {type(layer).__name__})."
             )
-        if any(layer is other for other in self._pipeline_layers):
+        if any(layer is other for other in self.layers):
             raise PipelineConfigError(
                 f"layer {layer.name!r} appears twice in the layer list; in a list every layer is used once. "
                 "Create a second layer, or write the model as keras.Model(inputs, outputs) to call one twice."
             )
-        if any(layer.name == other.name for other in self._pipeline_layers):
+        if any(layer.name == other.name for other in self.layers):
             raise PipelineConfigError(
                 f"All layers added to a PipelineModel should have unique names. Name {layer.name!r} is already "
                 "the name of a layer in this model. Update the `name` argument to pass a unique name."
             )
         self._refuse_change("add a layer")
-        self._pipeline_layers.append(layer)
+        self.layers.append(layer)
         if rebuild:
-            self._follow_layers()
+            self.follow_layers()
 
     def pop(self, rebuild: bool = True):
         """Removes and returns the last layer, as ``Sequential.pop``."""
-        if not self._pipeline_layers:
-            raise PipelineConfigError(f"PipelineModel {self.name!r} has no layers to pop.")
+        if not self.layers:
+            raise PipelineConfigError(f"PipelineModel {self.model.name!r} has no layers to pop.")
         self._refuse_change("pop a layer")
-        layer = self._pipeline_layers.pop()
+        layer = self.layers.pop()
         if rebuild:
-            self._follow_layers()
+            self.follow_layers()
         return layer
 
     def _refuse_change(self, what: str) -> None:
@@ -89,111 +147,86 @@ class ModelBuilding:
                 "before compile()/fit(), or build a new model."
             )
 
-    def _follow_layers(self) -> None:
+    def follow_layers(self) -> None:
         """After ``add``/``pop``: the chain's graph again; on one rank, the pipeline too (as Sequential rebuilds)."""
         if self.engine.built:
-            self._unbuild()
-        object.__setattr__(self, "_source", None)
-        if self._pipeline_input is not None or self._first_layer_input() is not None:
-            self._build_graph()
-            if self.engine.world.size == 1 and self._pipeline_layers:
-                self._build()
+            self.unbuild()
+        self.source = None
+        if self.input_spec is not None or self._first_layer_input() is not None:
+            self.build_graph()
+            if self.engine.world.size == 1 and self.layers:
+                self.build_pipeline()
 
     def _first_layer_input(self):
         """The input of a first layer that is itself a built model (``Sequential([functional, Dense(1)])``)."""
-        first = self._pipeline_layers[0] if self._pipeline_layers else None
+        first = self.layers[0] if self.layers else None
         if isinstance(first, keras.Model) and first.built and getattr(first, "inputs", None):
             return keras.tree.map_structure(lambda t: (tuple(t.shape), str(t.dtype)), first.input)
         return None
 
-    @property
-    def layers(self) -> list:
-        """Every layer of the model, in order, on every rank (weights only on the stages that hold them)."""
-        if self._pipeline_layers or self._source is None:
-            return list(self._pipeline_layers)
-        return list(self._source.layers)
+    def all_layers(self) -> list:
+        """Every layer of the model, in order (a chain's, or its graph's)."""
+        if self.layers or self.source is None:
+            return list(self.layers)
+        return list(self.source.layers)
 
-    @layers.setter
-    def layers(self, _):
-        # (Keras' words: a graph's as keras.Model's, a chain's as Sequential's, which code written for Keras matches)
-        if self._from_graph:
-            raise AttributeError(
+    def layers_reserved(self) -> AttributeError:
+        """The error for ``model.layers = ...``, in Keras' words: a graph's as ``keras.Model``'s, a chain's as
+        ``Sequential``'s (which code written for Keras matches)."""
+        if self.from_graph:
+            return AttributeError(
                 "`Model.layers` attribute is reserved and should not be used. Please use another name."
             )
-        raise AttributeError(
+        return AttributeError(
             "`PipelineModel.layers` attribute is reserved and should not be used. Use `add()` and `pop()` to change "
             "the layers in this model."
         )
 
-    @property
     def stage_layers(self) -> list:
-        """The layers this rank holds weights of (once built: see :meth:`build`)."""
+        """The layers this rank holds weights of, once built."""
         if not self.engine.built:
             raise PipelineConfigError("the model is not built yet; call model.build() on every rank first.")
         return self.engine.stage_layers()
 
     # -- the graph -----------------------------------------------------------
 
-    @property
-    def _functional(self):
-        """The Functional model behind the pipeline (``Sequential._functional``'s counterpart), or ``None``."""
-        return self._source
+    def graph_or_raise(self, what: str):
+        """The model's graph, or Keras' error for a model whose ``what`` is not known yet."""
+        if self.source is None:
+            raise AttributeError(f"PipelineModel {self.model.name!r} has no defined {what} yet.")
+        return self.source
 
-    def _graph_or_raise(self, what: str):
-        if self._source is None:
-            raise AttributeError(f"PipelineModel {self.name!r} has no defined {what} yet.")
-        return self._source
-
-    inputs = property(lambda self: self._graph_or_raise("inputs").inputs, doc="The model's inputs (KerasTensors).")
-    outputs = property(lambda self: self._graph_or_raise("outputs").outputs, doc="The model's outputs.")
-    input_shape = property(lambda self: self._graph_or_raise("input shape").input_shape, doc="The input shape.")
-    output_shape = property(lambda self: self._graph_or_raise("output shape").output_shape, doc="The output shape.")
-
-    @property
-    def input(self):
-        return self._graph_or_raise("input").input
-
-    @property
-    def output(self):
-        return self._graph_or_raise("output").output
-
-    def _build_graph(self, input_spec=None) -> None:
+    def build_graph(self, input_spec=None) -> None:
         """The chain's Functional model, from its input (shapes and dtypes), allocating no weight."""
-        if self._source is not None:
+        if self.source is not None:
             return
-        if not self._pipeline_layers:
+        if not self.layers:
             raise PipelineConfigError(
-                f"PipelineModel {self.name!r} cannot be built because it has no layers; pass a list of layers or "
-                "call `model.add(layer)`."
+                f"PipelineModel {self.model.name!r} cannot be built because it has no layers; pass a list of "
+                "layers or call `model.add(layer)`."
             )
-        spec = self._pipeline_input or self._first_layer_input() or input_spec
+        spec = self.input_spec or self._first_layer_input() or input_spec
         if spec is None:
             raise PipelineConfigError(
                 "the input shape is unknown; start the layer list with keras.Input(shape) or call fit()."
             )
-        if self._input_tensor is not None and spec is self._pipeline_input:
-            inputs = self._input_tensor
+        if self.input_tensor is not None and spec is self.input_spec:
+            inputs = self.input_tensor
         else:
             inputs = map_specs(input_of, spec)
-        object.__setattr__(self, "_source", graphs.chain_model(self._pipeline_layers, inputs, name=self.name))
-        self._pipeline_input = spec
+        self.source = graphs.chain_model(self.layers, inputs, name=self.model.name)
+        self.input_spec = spec
 
     # -- the pipeline ----------------------------------------------------------
 
     def build(self, input_shape=None) -> None:
-        """Cuts the model over the ranks and builds this rank's stage (collective: call it on every rank).
-
-        Happens by itself on the first ``fit``/``evaluate``/``predict`` or
-        call (or on ``get_weights``, ``summary``, ...), all of which every
-        rank calls. ``input_shape`` (batch dimension included) is needed
-        only where neither a ``keras.Input`` nor data gave it.
-        """
+        """``model.build``: checks ``input_shape`` against a known input, then builds the pipeline."""
         if input_shape is not None:
             self._check_shape(input_shape)
-        self._build(input_shape)
+        self.build_pipeline(input_shape)
 
     def _check_shape(self, input_shape) -> None:
-        known = self._pipeline_input
+        known = self.input_spec
         if known is None or not _is_spec(known):
             return
         given = tuple(input_shape)
@@ -201,44 +234,61 @@ class ModelBuilding:
             a is not None and b is not None and a != b for a, b in zip(known[0], given)
         ):
             raise PipelineConfigError(
-                f"PipelineModel {self.name!r} has already been configured to use input shape {known[0]}. "
+                f"PipelineModel {self.model.name!r} has already been configured to use input shape {known[0]}. "
                 f"You cannot build it with input_shape {given}."
             )
 
-    def _build(self, input_shape=None, release: bool = True) -> None:
-        """``build``; with ``release=False`` every rank keeps the weights of other stages (until ``_adopt``)."""
+    def build_pipeline(self, input_shape=None, release: bool = True) -> None:
+        """The cut and this rank's stage; with ``release=False`` every rank keeps the weights of other stages
+        (until :meth:`adopt`)."""
         if self.engine.built:
             return
-        if self._source is None:
-            spec = None if input_shape is None else shapes_to_specs(input_shape, self._call_dtypes)
-            self._build_graph(spec)
-        self.engine.frozen = not self.trainable  # (the layers' own flags are left as they are, as Keras does)
-        own = self.engine.build(self._source, getattr(self, "_first_batch_size", None), release=release)
-        self._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
-        self._stage_layers.extend(own)
-        self.built = True
+        if self.source is None:
+            spec = None if input_shape is None else shapes_to_specs(input_shape, self.call_dtypes)
+            self.build_graph(spec)
+        self.engine.frozen = not self.model.trainable  # (the layers' own flags are left as they are, as Keras does)
+        own = self.engine.build(self.source, self.first_batch_size, release=release)
+        self.model._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
+        self.model._stage_layers.extend(own)
+        self.model.built = True
         if release:
             _weights.copy_between_holders(self.engine)
             _weights.copy_from_first_replica(self.engine)
 
-    def _unbuild(self) -> None:
+    def check_quantize(self) -> None:
+        """Refuses ``model.quantize`` with several stages: each rank holds only its stage's weights."""
+        if self.engine.num_stages > 1:
+            raise PipelineConfigError(
+                f"quantize() on a PipelineModel cut into {self.engine.num_stages} stages: each rank holds only its "
+                "stage's weights. Quantize the Keras model before pipelining it: model.quantize(mode), then "
+                "PipelineModel.from_model(model, ...)."
+            )
+
+    def rebuild(self) -> None:
+        """After the layers' variables changed (``quantize``): the pipeline cut and built again, if it was built."""
+        if self.engine.built:
+            self.unbuild()
+            self.build_pipeline()
+
+    def unbuild(self) -> None:
         """One rank, the layers changed: forget the cut (the layers keep their weights)."""
         self.engine.reset()
-        self._stage_layers.clear()
-        self.built = False
+        self.model._stage_layers.clear()
+        self.model.built = False
 
-    def _build_for(self, x) -> None:
+    def build_for(self, x) -> None:
         """Builds the model for a first batch ``x`` (its shapes and dtypes give a chain its input)."""
         if self.engine.built:
             return
         first = keras.tree.flatten(x)[0]
-        self._first_batch_size = int(first.shape[0])
-        if self._source is None and self._pipeline_input is None and self._first_layer_input() is None:
-            self._build_graph(keras.tree.map_structure(lambda a: ((None,) + tuple(a.shape[1:]), _dtype(a)), x))
-        self._build()
+        self.first_batch_size = int(first.shape[0])
+        if self.source is None and self.input_spec is None and self._first_layer_input() is None:
+            self.build_graph(keras.tree.map_structure(lambda a: ((None,) + tuple(a.shape[1:]), _dtype(a)), x))
+        self.build_pipeline()
 
-    def _adopt(self, model) -> None:
-        """After ``_build(release=False)`` of ``model``: rank 0's weights everywhere, then each rank frees the rest."""
+    def adopt(self, model) -> None:
+        """After ``build_pipeline(release=False)`` of ``model``: rank 0's weights everywhere, then each rank frees
+        the rest."""
         engine = self.engine
         if engine.world.size > 1 and all(not compat.unallocated(v) for v in model.weights):
             for variable, _, here in _weights.ordered(engine):
@@ -250,128 +300,91 @@ class ModelBuilding:
                 if here:
                     variable.assign(value)
         else:
-            _weights.copy_between_holders(self.engine)
-            _weights.copy_from_first_replica(self.engine)
-            _weights.load_deferred(self.engine, model)  # (a preset loaded inside unallocated(): each rank its own)
+            _weights.copy_between_holders(engine)
+            _weights.copy_from_first_replica(engine)
+            _weights.load_deferred(engine, model)  # (a preset loaded inside unallocated(): each rank its own)
         engine.release_others()
 
     # -- calling it --------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
-        if args and not self._source:
-            # Keras builds a layer from its inputs' shapes alone; a chain's input takes their dtypes too
-            self._call_dtypes = keras.tree.map_structure(_dtype, args[0])
-        return super().__call__(*args, **kwargs)
+    def called_with(self, args) -> None:
+        """Before Keras' ``__call__``: Keras builds a layer from its inputs' shapes alone; a chain's input takes
+        their dtypes too."""
+        if args and not self.source:
+            self.call_dtypes = keras.tree.map_structure(_dtype, args[0])
 
-    @collective  # (eager, on several ranks: agreed on entry; one rank's error is raised on all or ends the job)
-    def call(self, inputs, training=None):
-        """The whole model on ``inputs``: in one process as the unsplit model; on several, pipelined (collective).
-
-        Several ranks run ``predict``'s pipeline on the batch and every rank
-        returns the outputs; a call inside a compiled function, or with
-        ``training=True``, is possible on one rank only (use ``fit``).
-        """
-        self._build_for(inputs)
-        if self.num_stages == 1:  # (every rank holds the whole model)
-            return self._source(inputs, training=training)
+    def call(self, inputs, training, pipelined):
+        """``model.call``: in one process the graph itself; on several, ``pipelined((inputs,))`` (inference only)."""
+        self.build_for(inputs)
+        if self.engine.num_stages == 1:  # (every rank holds the whole model)
+            return self.source(inputs, training=training)
         if training or not compat.executing_eagerly():
             raise PipelineConfigError(
                 f"a PipelineModel on {self.engine.world.size} ranks can be called eagerly for inference only (each "
                 "rank holds its stage's layers; the call runs the pipeline); use fit() to train, predict() inside "
                 "other code."
             )
-        return self.predict_step((inputs,))
+        return pipelined((inputs,))
 
-    def compute_output_spec(self, inputs, training=None, mask=None):
+    def compute_output_spec(self, inputs):
         """The outputs' shapes and dtypes for symbolic ``inputs``, from the graph (no rank communicates)."""
-        if self._source is None:
-            self._build_graph(keras.tree.map_structure(lambda t: ((None,) + tuple(t.shape[1:]), str(t.dtype)), inputs))
-        return self._source.compute_output_spec(inputs)
+        if self.source is None:
+            self.build_graph(keras.tree.map_structure(lambda t: ((None,) + tuple(t.shape[1:]), str(t.dtype)), inputs))
+        return self.source.compute_output_spec(inputs)
 
     def compute_output_shape(self, input_shape):
         """The output shape for ``input_shape``, from the graph (no rank communicates)."""
-        if self._source is None:
-            self._build_graph(shapes_to_specs(input_shape, None))
-        return self._source.compute_output_shape(input_shape)
+        if self.source is None:
+            self.build_graph(shapes_to_specs(input_shape, None))
+        return self.source.compute_output_shape(input_shape)
 
-    # -- other models ---------------------------------------------------------
 
-    @classmethod
-    def from_model(cls, model: keras.Model, inputs=None, **pipeline_options):
-        """Any built Keras model (Sequential, Functional, keras_hub's, subclassed) as a pipeline (collective).
+# -- other models ---------------------------------------------------------
 
-        Nested models are expanded into their nodes. A subclassed model's
-        ``call()`` is traced on symbolic tensors (see :mod:`keras_pipe.graph.trace`)
-        and checked against ``call()`` on a small real batch, or refused,
-        naming the line it cannot trace; its input shapes are those it was
-        built or called with, or ``inputs`` (``keras.Input``s, as ``call``
-        takes them) where it was neither. Each rank keeps the
-        weights of its own stage and frees the others' (the model handed in
-        is consumed: use the pipeline from then on); rank 0's weights are
-        the pipeline's, as for :meth:`from_sequential`. A model created
-        inside :func:`keras_pipe.unallocated` holds no weights anywhere until
-        each rank allocates its own stage's.
 
-        Example:
+def pipeline_of(cls, model: keras.Model, inputs, pipeline_options: dict):
+    """``cls.from_model(model, inputs, **pipeline_options)``: a pipeline of class ``cls`` running ``model``."""
+    if isinstance(model, keras.Sequential):
+        return cls.from_sequential(model, **pipeline_options)
+    view = None
+    if graphs.functional_of(model) is None:
+        view = traces.view_of(model, inputs)  # (raises, saying why, alike on every rank)
+    elif inputs is not None:
+        raise PipelineConfigError("from_model(inputs=...) is for a subclassed model; this one has its inputs.")
+    pipeline_options.setdefault("name", model.name)
+    pipeline = cls(**pipeline_options)
+    builder = pipeline._builder
+    if view is not None:
+        problem = traces.check_view(view)  # (on every rank: each rank's verdict, the first refusal for all)
+        if builder.engine.world.size > 1:
+            problem = next((p for p in builder.engine.world.allgather_json(problem) if p), None)
+        if problem is not None:
+            raise PipelineConfigError(problem)
+    builder.use_model(model if view is None else view)
+    builder.build_pipeline(release=False)
+    builder.adopt(model)
+    return pipeline
 
-        ```python
-        lm = keras_hub.models.GPT2CausalLM(backbone=keras_hub.models.GPT2Backbone(...), preprocessor=None)
-        model = PipelineModel.from_model(lm, num_microbatches=8)
-        ```
-        """
-        if isinstance(model, keras.Sequential):
-            return cls.from_sequential(model, **pipeline_options)
-        view = None
-        if graphs.functional_of(model) is None:
-            view = traces.view_of(model, inputs)  # (raises, saying why, alike on every rank)
-        elif inputs is not None:
-            raise PipelineConfigError("from_model(inputs=...) is for a subclassed model; this one has its inputs.")
-        pipeline_options.setdefault("name", model.name)
-        pipeline = cls(**pipeline_options)
-        if view is not None:
-            problem = traces.check_view(view)  # (on every rank: each rank's verdict, the first refusal for all)
-            if pipeline.engine.world.size > 1:
-                problem = next((p for p in pipeline.engine.world.allgather_json(problem) if p), None)
-            if problem is not None:
-                raise PipelineConfigError(problem)
-        pipeline._use_model(model if view is None else view)
-        pipeline._build(release=False)
-        pipeline._adopt(model)
-        return pipeline
 
-    @classmethod
-    def from_sequential(cls, model: keras.Sequential, **pipeline_options):
-        """The same model as a pipeline: one line changes in an existing script (collective).
-
-        The layers are the model's own; if it is built, rank 0's weights are
-        copied to the stages that hold them and every rank frees the others
-        (use the pipeline from then on): an unseeded script trains rank 0's
-        model. A Functional model goes to :meth:`from_model`.
-
-        Example:
-
-        ```python
-        seq = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-        model = PipelineModel.from_sequential(seq, num_microbatches=4)
-        ```
-        """
-        if not isinstance(model, keras.Sequential):
-            if graphs.functional_of(model) is not None:
-                return cls.from_model(model, **pipeline_options)
-            raise PipelineConfigError(
-                f"from_sequential takes a keras.Sequential, got a {type(model).__name__} ({model.name!r}); "
-                "use PipelineModel.from_model for a Functional model."
-            )
-        pipeline_options.setdefault("name", model.name)
-        items = []
-        if model.built and getattr(model, "inputs", None):
-            first = model.inputs[0]
-            items.append(keras.Input(batch_shape=tuple(first.shape), dtype=first.dtype))
-        pipeline = cls(items + list(model.layers), **pipeline_options)
-        if model.built:
-            pipeline._build(release=False)
-            pipeline._adopt(model)
-        return pipeline
+def pipeline_of_sequential(cls, model: keras.Sequential, pipeline_options: dict):
+    """``cls.from_sequential(model, **pipeline_options)``: a pipeline of class ``cls`` of the model's layers."""
+    if not isinstance(model, keras.Sequential):
+        if graphs.functional_of(model) is not None:
+            return cls.from_model(model, **pipeline_options)
+        raise PipelineConfigError(
+            f"from_sequential takes a keras.Sequential, got a {type(model).__name__} ({model.name!r}); "
+            "use PipelineModel.from_model for a Functional model."
+        )
+    pipeline_options.setdefault("name", model.name)
+    items = []
+    if model.built and getattr(model, "inputs", None):
+        first = model.inputs[0]
+        items.append(keras.Input(batch_shape=tuple(first.shape), dtype=first.dtype))
+    pipeline = cls(items + list(model.layers), **pipeline_options)
+    if model.built:
+        pipeline._builder.build_pipeline(release=False)
+        pipeline._builder.adopt(model)
+    return pipeline
 
 
 def map_specs(fn, spec):

@@ -38,7 +38,7 @@ import keras
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
-from keras_pipe.model.saving import on_root, write_weights
+from keras_pipe.model.transfer import on_root
 from keras_pipe.model.weights import ordered
 from keras_pipe.mpi.comm import Communicator
 from keras_pipe.mpi.files import copy, write_text
@@ -142,7 +142,7 @@ class _TensorBoardWeights(keras.callbacks.Callback):
             model = self.model
             values = model.get_weights()
             # (keras.Sequential builds its layers under its own name: the chain's paths are named as its are)
-            prefix = f"{model.name}/" if model._pipeline_layers else ""
+            prefix = f"{model.name}/" if model._builder.layers else ""
             self.weights = [
                 (v.path if v.path.startswith(prefix) else prefix + v.path, value)
                 for (v, _, _), value in zip(ordered(model.engine), values)
@@ -268,7 +268,7 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             if callback.double_checkpoint and files.exists(paths["training_metadata_path"]):
                 copy(paths["training_metadata_path"], paths["prev_training_metadata_path"])
         position = {"epoch": paths["current_epoch"], "batch": paths["last_batch_seen"]}
-        write_weights(callback.model, paths["weights_path"], finish=lambda path: mark_position(path, position))
+        callback.model._saver.save_weights(paths["weights_path"], finish=lambda path: mark_position(path, position))
         if root:
             write_text(paths["training_metadata_path"], json.dumps(position))
 

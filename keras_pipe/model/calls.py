@@ -51,7 +51,7 @@ class CallPreparation:
         shared["call"] = name
         check_same_everywhere(engine.world, f"the model and the {name}() call", {**model_fingerprint(model), **shared})
         engine.steps.begin_call()
-        if model._pipeline_input is not None or model._source is not None:
+        if model._builder.input_spec is not None or model._builder.source is not None:
             model.build()  # BackupAndRestore and friends expect a built model
         arguments["callbacks"] = adapt_callbacks(arguments.get("callbacks"), engine.world)
         if engine.world.rank != 0:
@@ -61,14 +61,15 @@ class CallPreparation:
                 seed_shuffling(engine.world)
             if built_before:
                 _weights.copy_from_first_replica(engine)  # replicas start alike, as Horovod's broadcast does
-        outer = model._stand_in_inputs
-        object.__setattr__(model, "_stand_in_inputs", stand_in_inputs(model, arguments))
+        steps = model._steps
+        outer = steps.stand_in_inputs
+        steps.stand_in_inputs = stand_in_inputs(model, arguments)
         self.depth += 1
         try:
             yield arguments
         finally:
             self.depth -= 1
-            object.__setattr__(model, "_stand_in_inputs", outer)
+            steps.stand_in_inputs = outer
         engine.steps.agree("end", False, 0)
 
     def digest(self, data) -> int:
@@ -128,7 +129,7 @@ def stand_in_inputs(model, arguments: dict) -> bool:
     they are.
     """
     engine = model.engine
-    if not engine.built or model._source is None:
+    if not engine.built or model._builder.source is None:
         return False
     sources = [("x", arguments.get("x"))]
     validation = arguments.get("validation_data")
@@ -139,7 +140,7 @@ def stand_in_inputs(model, arguments: dict) -> bool:
     if engine.stage > 0 and all(_zero_width_already(x) for _, x in sources):
         return True
     for _, x in sources:  # (on every rank, the first stage too: the same error everywhere, at once)
-        compat.check_input_shapes(model._source, x)
+        compat.check_input_shapes(model._builder.source, x)
     if engine.stage == 0:
         return False
     arguments["x"] = _zero_width(arguments["x"])

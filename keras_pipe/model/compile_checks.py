@@ -6,9 +6,23 @@ model), so the errors are raised everywhere before any communication.
 
 from __future__ import annotations
 
+import inspect
+
 import keras
 
 from keras_pipe.errors import PipelineConfigError
+
+
+def checked_arguments(model, args, kwargs) -> tuple[dict, object]:
+    """``model.compile(*args, **kwargs)``'s arguments, bound as ``keras.Model.compile`` takes them and checked
+    (a ``tf.distribute`` scope, the arguments); returns them without ``jit_compile``, and ``jit_compile``."""
+    arguments = inspect.signature(keras.Model.compile).bind(model, *args, **kwargs).arguments
+    arguments.update(arguments.pop("kwargs", {}))
+    jit = arguments.pop("jit_compile", "auto")
+    check_no_strategy(model)
+    check_arguments(dict(arguments, jit_compile=jit))
+    arguments.pop("self")
+    return arguments, jit
 
 
 def check_arguments(arguments: dict) -> None:

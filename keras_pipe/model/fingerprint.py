@@ -30,7 +30,7 @@ def model_fingerprint(model) -> dict:
         "num_microbatches": options.num_microbatches,
         "schedule": options.schedule,
         "chunks a rank": options.num_chunks,
-        "input": list(map(str, model._pipeline_input or [])),
+        "input": list(map(str, model._builder.input_spec or [])),
         "dtype_policy": str(getattr(model.dtype_policy, "name", model.dtype_policy)),
     }
     if model.compiled:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.model import weights as _weights
-from keras_pipe.model.saving import on_root
+from keras_pipe.model.transfer import on_root
 
 
 def save_to_preset(model, preset_dir) -> None:
@@ -40,7 +40,7 @@ def save_to_preset(model, preset_dir) -> None:
 
 def lora_backbone(model):
     """The keras_hub backbone among the pipeline's layers on which ``enable_lora`` was called (every rank alike)."""
-    source = model._source
+    source = model._builder.source
     layers = [source, *compat.sublayers(source)] if source is not None else []
     found = [layer for layer in layers if getattr(layer, "_lora_enabled_layers", None)]
     if not found:

@@ -6,7 +6,8 @@ import keras
 
 from keras_pipe import compat
 from keras_pipe.model.model import PipelineModel
-from keras_pipe.model.saving import ROOT, compile_whole, load_into, on_root
+from keras_pipe.model.saving import compile_whole
+from keras_pipe.model.transfer import ROOT, load_into, on_root
 from keras_pipe.mpi.comm import Communicator
 
 

@@ -3,39 +3,41 @@
 A thin Keras façade: it does what a ``keras.Model`` does (arguments,
 ``compile``, ``fit``/``evaluate``/``predict``, the step methods, weights,
 saving, ``summary``) and hands the pipeline to its
-:class:`~keras_pipe.engine.engine.Engine`.
+:class:`~keras_pipe.engine.engine.Engine`. ``keras.Model`` is its one base;
+its building, saving and step methods delegate to members it holds, out of
+Keras' tracking: a :class:`~keras_pipe.model.building.ModelBuilder`, a
+:class:`~keras_pipe.model.saving.ModelSaver` and
+:class:`~keras_pipe.model.steps.ModelSteps`.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_pipe import compat
 from keras_pipe.engine.engine import Engine
 from keras_pipe.engine.logs import ModelLogs
 from keras_pipe.engine.options import PipelineOptions
-from keras_pipe.errors import PipelineConfigError
-from keras_pipe.model import compile_checks, hub
+from keras_pipe.model import building, compile_checks, hub, saving
 from keras_pipe.model import summary as summaries
 from keras_pipe.model import weights as _weights
-from keras_pipe.model.building import ModelBuilding
-from keras_pipe.model.calls import CallPreparation, batch_size_of, python_step_function, stood_in, target_likes
+from keras_pipe.model.calls import CallPreparation, python_step_function
 from keras_pipe.model.datasets import DatasetStrategy
-from keras_pipe.model.saving import SavingMethods
+from keras_pipe.model.steps import ModelSteps
 from keras_pipe.mpi.failure import collective
-from keras_pipe.stage.compute import Masked
-from keras_pipe.stage.losses import MicrobatchLoss
+
+
+def _graph_property(what: str, attribute: str, doc: str | None = None) -> property:
+    """A property of the model's graph (``inputs``, ``output_shape``...); Keras' error while the graph is unknown."""
+    return property(lambda self: getattr(self._builder.graph_or_raise(what), attribute), doc=doc)
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
-class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
+class PipelineModel(keras.Model):
     """A Keras model trained with pipeline parallelism over MPI ranks.
 
     Write the model as for ``keras.Sequential`` (a list of layers) or as for
@@ -158,39 +160,17 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
             stall_timeout=stall_timeout,
             recompute=recompute,
         )
-        object.__setattr__(self, "_options", options)  # as given (get_config writes it)
         engine = Engine(options)  # (it resolves and checks them against the world, once)
         # Not tracked by Keras: only this rank's stage layers are (so that
         # `trainable_variables`, the optimizer and saving see this rank's).
         object.__setattr__(self, "engine", engine)
-        object.__setattr__(self, "_pipeline_layers", [])
-        object.__setattr__(self, "_source", None)  # the Functional model the pipeline runs
+        object.__setattr__(self, "_builder", building.ModelBuilder(self, engine))  # (its layers or graph)
+        object.__setattr__(self, "_saver", saving.ModelSaver(self, self._builder, engine, options))
         object.__setattr__(self, "_calls", CallPreparation(self))
         object.__setattr__(self, "_logs", ModelLogs(self))
-        object.__setattr__(self, "_loss", None)
-        object.__setattr__(self, "_from_graph", False)
-        object.__setattr__(self, "_input_tensor", None)  # the user's keras.Input, kept as given
-        object.__setattr__(self, "_stand_in_inputs", False)  # this call's x is a zero-width stand-in (calls.py)
+        object.__setattr__(self, "_steps", ModelSteps(self, self._builder, engine, self._logs))
         self._stage_layers = []  # tracked by Keras: this rank's layers, hence its weights (see building)
-        self._pipeline_input = None
-        self._pipeline_logs = None
-        self._first_batch_size = None  # (the engine measures balance="time" on a micro-batch of it)
-        self._call_dtypes = None
-        if outputs is not None and inputs is None and layers is not None:
-            inputs, layers = layers, None  # PipelineModel(inputs, outputs), as keras.Model(inputs, outputs)
-        if inputs is not None or outputs is not None:
-            if layers is not None:
-                raise PipelineConfigError("give either a list of layers or inputs= and outputs=, not both.")
-            if inputs is None or outputs is None:
-                raise PipelineConfigError("a Functional PipelineModel needs both inputs= and outputs=.")
-            self._use_model(keras.Model(inputs, outputs, name=name))
-            # built as a Functional model is, once constructed: the cut and this rank's stage (collective,
-            # as creating the model is); its weights are those of the layers the graph was made of
-            self._build()
-        for item in layers or []:
-            self.add(item, rebuild=False)
-        if layers:
-            self._follow_layers()
+        self._builder.start(layers, inputs, outputs, name)
 
     @property
     def trainable(self):
@@ -201,8 +181,8 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         # Keras sets the flag on the layers it tracks (this rank's stage): every rank's copy of every
         # layer takes it, so that the ranks still agree on the model (and its later stages, once built).
         keras.Model.trainable.fset(self, value)
-        source = getattr(self, "_source", None)
-        for layer in getattr(self, "_pipeline_layers", None) or (source.layers if source is not None else []):
+        builder = self.__dict__.get("_builder")  # (None while keras.Model.__init__ runs)
+        for layer in builder.all_layers() if builder is not None else []:
             layer.trainable = bool(value)
 
     @property
@@ -211,16 +191,12 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
 
         ``None`` until the model's graph is known (a chain before its first use), as a ``Sequential``'s.
         """
-        source = getattr(self, "_source", None)
-        return None if source is None or not self._from_graph else list(source.output_names)
+        builder = self._builder
+        return None if builder.source is None or not builder.from_graph else list(builder.source.output_names)
 
     def _lock_state(self):
         # As Functional's: a pipeline's tracked stage layers change when a one-rank model is rebuilt.
         pass
-
-    def _use_model(self, model) -> None:
-        object.__setattr__(self, "_source", model)
-        object.__setattr__(self, "_from_graph", True)
 
     num_stages = property(lambda self: self.engine.num_stages, doc="Stages per pipeline.")
     num_replicas = property(lambda self: self.engine.num_replicas, doc="Replicas of the pipeline.")
@@ -229,6 +205,117 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
     num_microbatches = property(lambda self: self.engine.num_microbatches, doc="Micro-batches per batch.")
     schedule = property(lambda self: self.engine.schedule, doc="The training schedule's name.")
     balance = property(lambda self: self.engine.balance, doc="Nodes per stage, once built.")
+
+    # -- the layers, the graph, building (model/building.py's ModelBuilder) ------------------
+
+    def add(self, layer, rebuild: bool = True) -> None:
+        """Appends a layer (or, first, a ``keras.Input``), as ``Sequential.add``."""
+        self._builder.add(layer, rebuild)
+
+    def pop(self, rebuild: bool = True):
+        """Removes and returns the last layer, as ``Sequential.pop``."""
+        return self._builder.pop(rebuild)
+
+    @property
+    def layers(self) -> list:
+        """Every layer of the model, in order, on every rank (weights only on the stages that hold them)."""
+        return self._builder.all_layers()
+
+    @layers.setter
+    def layers(self, _):
+        raise self._builder.layers_reserved()
+
+    @property
+    def stage_layers(self) -> list:
+        """The layers this rank holds weights of (once built: see :meth:`build`)."""
+        return self._builder.stage_layers()
+
+    @property
+    def _functional(self):
+        """The Functional model behind the pipeline (``Sequential._functional``'s counterpart), or ``None``."""
+        return self._builder.source
+
+    inputs = _graph_property("inputs", "inputs", "The model's inputs (KerasTensors).")
+    outputs = _graph_property("outputs", "outputs", "The model's outputs.")
+    input_shape = _graph_property("input shape", "input_shape", "The input shape.")
+    output_shape = _graph_property("output shape", "output_shape", "The output shape.")
+    input = _graph_property("input", "input")
+    output = _graph_property("output", "output")
+
+    def build(self, input_shape=None) -> None:
+        """Cuts the model over the ranks and builds this rank's stage (collective: call it on every rank).
+
+        Happens by itself on the first ``fit``/``evaluate``/``predict`` or
+        call (or on ``get_weights``, ``summary``, ...), all of which every
+        rank calls. ``input_shape`` (batch dimension included) is needed
+        only where neither a ``keras.Input`` nor data gave it.
+        """
+        self._builder.build(input_shape)
+
+    def __call__(self, *args, **kwargs):
+        self._builder.called_with(args)
+        return super().__call__(*args, **kwargs)
+
+    @collective  # (eager, on several ranks: agreed on entry; one rank's error is raised on all or ends the job)
+    def call(self, inputs, training=None):
+        """The whole model on ``inputs``: in one process as the unsplit model; on several, pipelined (collective).
+
+        Several ranks run ``predict``'s pipeline on the batch and every rank
+        returns the outputs; a call inside a compiled function, or with
+        ``training=True``, is possible on one rank only (use ``fit``).
+        """
+        return self._builder.call(inputs, training, pipelined=self.predict_step)
+
+    def compute_output_spec(self, inputs, training=None, mask=None):
+        """The outputs' shapes and dtypes for symbolic ``inputs``, from the graph (no rank communicates)."""
+        return self._builder.compute_output_spec(inputs)
+
+    def compute_output_shape(self, input_shape):
+        """The output shape for ``input_shape``, from the graph (no rank communicates)."""
+        return self._builder.compute_output_shape(input_shape)
+
+    @classmethod
+    def from_model(cls, model: keras.Model, inputs=None, **pipeline_options):
+        """Any built Keras model (Sequential, Functional, keras_hub's, subclassed) as a pipeline (collective).
+
+        Nested models are expanded into their nodes. A subclassed model's
+        ``call()`` is traced on symbolic tensors (see :mod:`keras_pipe.graph.trace`)
+        and checked against ``call()`` on a small real batch, or refused,
+        naming the line it cannot trace; its input shapes are those it was
+        built or called with, or ``inputs`` (``keras.Input``s, as ``call``
+        takes them) where it was neither. Each rank keeps the
+        weights of its own stage and frees the others' (the model handed in
+        is consumed: use the pipeline from then on); rank 0's weights are
+        the pipeline's, as for :meth:`from_sequential`. A model created
+        inside :func:`keras_pipe.unallocated` holds no weights anywhere until
+        each rank allocates its own stage's.
+
+        Example:
+
+        ```python
+        lm = keras_hub.models.GPT2CausalLM(backbone=keras_hub.models.GPT2Backbone(...), preprocessor=None)
+        model = PipelineModel.from_model(lm, num_microbatches=8)
+        ```
+        """
+        return building.pipeline_of(cls, model, inputs, pipeline_options)
+
+    @classmethod
+    def from_sequential(cls, model: keras.Sequential, **pipeline_options):
+        """The same model as a pipeline: one line changes in an existing script (collective).
+
+        The layers are the model's own; if it is built, rank 0's weights are
+        copied to the stages that hold them and every rank frees the others
+        (use the pipeline from then on): an unseeded script trains rank 0's
+        model. A Functional model goes to :meth:`from_model`.
+
+        Example:
+
+        ```python
+        seq = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model = PipelineModel.from_sequential(seq, num_microbatches=4)
+        ```
+        """
+        return building.pipeline_of_sequential(cls, model, pipeline_options)
 
     @property
     def distribute_strategy(self):
@@ -257,16 +344,11 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         ``False`` nothing. ``run_eagerly=True`` runs every micro-batch op by
         op (for debugging).
         """
-        arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
-        arguments.update(arguments.pop("kwargs", {}))
-        jit = arguments.pop("jit_compile", "auto")
-        compile_checks.check_no_strategy(self)
-        compile_checks.check_arguments(dict(arguments, jit_compile=jit))
-        arguments.pop("self")
+        arguments, jit = compile_checks.checked_arguments(self, args, kwargs)
         super().compile(**arguments, jit_compile=False)  # keras_pipe compiles its own programs
         self.engine.logs.forget()
         compile_checks.check_model(self)
-        object.__setattr__(self, "_loss", None)
+        self._steps.loss = None
         self.engine.configure(jit=jit, eager=bool(self.run_eagerly), frozen=not self.trainable)
 
     def compile_from_config(self, config) -> None:
@@ -275,102 +357,28 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         if self.optimizer is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
-    def _microbatch_loss(self, y) -> MicrobatchLoss:
-        """The compiled loss term by term (built once per ``compile()``, from the first batch's labels)."""
-        if self._loss is None:
-            loss = MicrobatchLoss(compat.compiled_loss(self), self.engine.graph.output_structure(), [])
-            loss.build(y)
-            object.__setattr__(self, "_loss", loss)
-        return self._loss
-
-    # -- the steps ---------------------------------------------------------
+    # -- the steps (model/steps.py's ModelSteps) ----------------------------------------------
 
     def train_step(self, data):
         """One pipelined training step on a batch; returns the same logs on every rank."""
-        return self._step(data, "train")
+        return self._steps.run(data, "train")
 
     def test_step(self, data):
         """One pipelined forward pass computing loss and metrics on the last stage."""
-        return self._step(data, "test")
+        return self._steps.run(data, "test")
 
     def predict_step(self, data):
         """One pipelined forward pass; every rank returns the whole batch's predictions."""
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        flat_x = self._inputs(x)  # (first: it checks the inputs' shapes, a scalar's among them, in Keras' words)
-        batch_size = batch_size_of(data)
-        _, _, flat = self.engine.run("predict", flat_x, batch_size)
-        if flat is not None:
-            flat = [p.tensor if isinstance(p, Masked) else p for p in flat]
-        flat = self.engine.predictions.broadcast_predictions(flat, batch_size, self.engine.cut.graph)
-        return keras.tree.pack_sequence_as(self.engine.graph.output_structure(), flat)
-
-    def _inputs(self, x) -> list | None:
-        """The first stage's model inputs, flat, as Keras' Functional model converts them; ``None`` elsewhere.
-
-        Every rank checks the batch's shapes against the model's inputs (no
-        conversion), so that data of the wrong shape is the same error on
-        every rank, not the first stage's alone.
-        """
-        if self._stand_in_inputs:  # (checked once for the call: see calls.stand_in_inputs)
-            return None
-        self._build_for(x)
-        given = compat.check_input_shapes(self._source, x)
-        # (None for an optional=True input: the first stage's layers get None, as in Keras' Functional model;
-        # one a later stage reads would have to cross, which None cannot)
-        absent = []
-        if any(value is None for value in given):  # (rare: the crossings are not looked through every step)
-            crossing = {c.tensor for c in self.engine.cut.crossings}
-            inputs = zip(self._source.inputs, self.engine.cut.graph.inputs, given)
-            absent = [t.name for t, k, v in inputs if v is None and k in crossing]
-        if absent:
-            raise PipelineConfigError(
-                f"the optional inputs {absent} were given None, and a later stage reads them: keras_pipe sends a "
-                "tensor's rows between stages and cannot send None. Give them a tensor, or keep the layers that "
-                "read them on the first stage (split_before=...)."
-            )
-        if not self.engine.is_first:
-            return None
-        return compat.standardize_inputs(self._source, x)
-
-    def _step(self, data, phase: str):
-        engine = self.engine
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if phase == "train" and y is None and compat.compiled_loss(self) is not None:
-            # every rank was given the same kind of data
-            raise PipelineConfigError("fit() was given no y: training a PipelineModel with a loss needs targets.")
-        batch_size = batch_size_of(data)
-        flat_x = self._inputs(x)
-        y = _as_numpy(y)
-        if self._stand_in_inputs and stood_in(y):  # (not with class_weight; not train_on_batch's y)
-            y = target_likes(y)  # (no bytes: their shapes and dtypes only)
-        sample_weight = _as_numpy(sample_weight)
-        if engine.num_stages > 1 and any(
-            isinstance(a, (tf.RaggedTensor, tf.SparseTensor)) for a in keras.tree.flatten((y, sample_weight))
-        ):  # (every rank was given the same kind of data)
-            raise PipelineConfigError(
-                "ragged or sparse labels cannot travel from the first stage, which pairs them with the inputs, to the "
-                "last, which computes the loss: give dense labels (padded, with sample weights), or train on one rank."
-            )
-        y, sample_weight = engine.predictions.exchange_targets(y, sample_weight, batch_size, engine.chunks)
-        if phase == "train" and self.optimizer is not None and not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
-        loss = self._microbatch_loss(y)
-        loss_part, terms, flat = engine.run(phase, flat_x, batch_size, y, sample_weight, loss, self.optimizer)
-        self._pipeline_logs = self._logs.step_logs(phase, loss_part, terms, batch_size, y, flat, sample_weight)
-        return self._pipeline_logs
+        return self._steps.predict(data)
 
     def _flatten_metrics_in_order(self, logs):
-        # The logs are in the last stage's order on every rank (see _metric_results).
-        order = self._logs.order
-        if order is None or not set(order) <= set(logs):
-            return super()._flatten_metrics_in_order(logs)
-        values = [logs[name] for name in order] + [logs[name] for name in logs if name not in order]
-        return values[0] if len(values) == 1 else values
+        flat = self._logs.flatten_in_order(logs)  # (in the last stage's order on every rank)
+        return super()._flatten_metrics_in_order(logs) if flat is None else flat
 
     def get_metrics_result(self) -> dict:
         """The latest logs, identical on every rank (the last stage's metrics, all stages' loss)."""
-        if self._pipeline_logs is not None:
-            return dict(self._pipeline_logs)
+        if self._steps.last_logs is not None:
+            return dict(self._steps.last_logs)
         return super().get_metrics_result()
 
     @property
@@ -388,7 +396,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
     def reset_metrics(self) -> None:
         super().reset_metrics()
         self._logs.reset()
-        self._pipeline_logs = None
+        self._steps.last_logs = None
 
     # -- the step functions Keras calls -------------------------------------
 
@@ -404,17 +412,7 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
 
     def make_predict_function(self, force=False):
         if self.predict_function is None or force:
-
-            def predict_function(data):
-                outputs = []
-                for step_data in data:
-                    self.engine.steps.agree("predict", True, batch_size_of(step_data), self._calls.digest(step_data))
-                    outputs.append(self.predict_step(step_data))
-                if len(outputs) == 1:
-                    return outputs[0]
-                return keras.tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
-
-            self.predict_function = predict_function
+            self.predict_function = self._steps.predict_function(self._calls.digest)
         return self.predict_function
 
     # -- fit / evaluate / predict ---------------------------------------------
@@ -462,6 +460,68 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         self.build()
         return int(sum(np.prod(v.shape, dtype=np.int64) for v, _, _ in _weights.ordered(self.engine)))
 
+    # -- saving and loading (model/saving.py's ModelSaver) -----------------------------------
+
+    def get_config(self) -> dict:
+        """The model's configuration: its layers (or its graph's model) and the pipeline's options.
+
+        ``from_config`` re-creates it, as ``keras.Sequential``'s does, so that
+        ``pickle``, ``keras.models.clone_model`` and Keras' serialization work.
+        """
+        return self._saver.config()
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A model from :meth:`get_config` output (collective, as creating any ``PipelineModel`` is)."""
+        return saving.from_config(cls, config, custom_objects)
+
+    @collective
+    def __reduce__(self):
+        """``pickle.dumps(model)``: the whole model, on every rank (collective), as Keras pickles a model.
+
+        Rank 0 gathers the whole model (weights and optimizer state) and
+        writes it as Keras' own pickle does (``.keras`` bytes); every rank
+        gets those bytes, so each rank's pickle is the whole model, and
+        ``pickle.loads`` (collective too, on any number of ranks) makes a
+        pipeline of it with this one's options.
+        """
+        return self._saver.reduce()
+
+    @classmethod
+    def _unpickled(cls, data: bytes, options: dict):
+        """The pipeline of a pickled model (collective): every rank reads the bytes; rank 0's weights are taken."""
+        return saving.unpickled(cls, data, options)
+
+    @collective
+    def to_keras(self) -> keras.Model | None:
+        """The whole model, weights and optimizer state, as one Keras model on rank 0 (``None`` elsewhere).
+
+        A chain is a ``keras.Sequential``; a graph its model's own class.
+        """
+        return self._saver.to_keras()
+
+    to_sequential = to_keras
+
+    @collective
+    def save(self, filepath, overwrite: bool = True, zipped=None, **kwargs) -> None:
+        """Writes one standard ``.keras`` file, from rank 0: the equivalent ``Sequential``.
+
+        Plain ``keras.models.load_model`` opens the file in one process,
+        without MPI or keras_pipe; :func:`keras_pipe.load_model` opens it on
+        any number of ranks.
+        """
+        self._saver.save(filepath, overwrite, zipped, **kwargs)
+
+    @collective
+    def save_weights(self, filepath, overwrite: bool = True, **kwargs) -> None:
+        """Writes the whole model's weights (and optimizer state) to one ``.weights.h5`` file, from rank 0."""
+        self._saver.save_weights(filepath, overwrite, **kwargs)
+
+    @collective
+    def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
+        """Reads a ``.weights.h5`` file of this model (or its ``Sequential``) on rank 0; each stage gets its part."""
+        self._saver.load_weights(filepath, skip_mismatch, **kwargs)
+
     # -- keras_hub's task methods (keras_pipe.model.hub) ---------------------------------------
 
     @collective
@@ -493,16 +553,9 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
         quantize only those: refused on every rank; quantize the Keras model
         first and pipeline the quantized model (``PipelineModel.from_model``).
         """
-        if self.engine.num_stages > 1:
-            raise PipelineConfigError(
-                f"quantize() on a PipelineModel cut into {self.engine.num_stages} stages: each rank holds only its "
-                "stage's weights. Quantize the Keras model before pipelining it: model.quantize(mode), then "
-                "PipelineModel.from_model(model, ...)."
-            )
+        self._builder.check_quantize()
         super().quantize(mode, config=config, filters=filters, **kwargs)
-        if self.engine.built:
-            self._unbuild()
-            self._build()
+        self._builder.rebuild()
 
     @collective
     def summary(self, print_fn=None, **kwargs) -> None:
@@ -510,28 +563,4 @@ class PipelineModel(SavingMethods, ModelBuilding, keras.Model):
 
         A model whose input is not known yet is listed unbuilt, as ``Sequential`` lists it.
         """
-        print_fn = print_fn or (lambda line: print(line, file=sys.stdout))
-        if not self.engine.built and self._source is None and self._pipeline_input is None:
-            if self.engine.world.rank == 0:
-                print_fn(f'PipelineModel "{self.name}": not built yet (its input shape is unknown); layers:')
-                for layer in self._pipeline_layers:
-                    print_fn(f"  {layer.name} ({type(layer).__name__})")
-            return
-        self.build()
-        if self.engine.world.rank != 0:
-            return
-        for line in summaries.describe(self.engine, self.name):
-            print_fn(line)
-
-
-def _as_numpy(value):
-    """Labels or sample weights as numpy arrays, in their structure (sparse and ragged tensors as they are)."""
-    if value is None:
-        return None
-
-    def convert(array):
-        if array is None or isinstance(array, (tf.SparseTensor, tf.RaggedTensor)):
-            return array
-        return np.asarray(array)
-
-    return keras.tree.map_structure(convert, value)
+        summaries.print_summary(self, self._builder, print_fn or (lambda line: print(line, file=sys.stdout)))

@@ -16,6 +16,26 @@ import numpy as np
 from keras_pipe.graph import cut as cuts
 
 
+def print_summary(model, builder, print_fn) -> None:
+    """``model.summary()`` (collective): rank 0 prints :func:`describe`'s lines, or an unbuilt model's layers.
+
+    ``builder``: the model's :class:`~keras_pipe.model.building.ModelBuilder`. A model whose input is not
+    known yet is listed unbuilt, as ``Sequential`` lists it.
+    """
+    engine = model.engine
+    if not engine.built and builder.source is None and builder.input_spec is None:
+        if engine.world.rank == 0:
+            print_fn(f'PipelineModel "{model.name}": not built yet (its input shape is unknown); layers:')
+            for layer in builder.layers:
+                print_fn(f"  {layer.name} ({type(layer).__name__})")
+        return
+    model.build()
+    if engine.world.rank != 0:
+        return
+    for line in describe(engine, model.name):
+        print_fn(line)
+
+
 def describe(engine, name: str) -> list[str]:
     """Every line of a built model's summary: the header, the table, the crossings and the ranks."""
     replicas = f" x {engine.num_replicas} replicas" if engine.num_replicas > 1 else ""

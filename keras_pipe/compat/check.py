@@ -1,0 +1,52 @@
+"""Internal: :func:`check` fails loudly when a Keras or TensorFlow upgrade removes an internal of this package."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_pipe.compat.tensors import get_mask, global_seed, variable_handle
+from keras_pipe.compat.training import BACKUP_ATTRIBUTES, file_utils
+from keras_pipe.compat.variables import unallocated_scope
+
+
+def check() -> None:
+    """Raises ``AttributeError`` naming each internal above that this Keras/TensorFlow lacks."""
+    layer = keras.layers.Dropout(0.5)
+    layer.build((None, 2))
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", metrics=["mae"])
+    callback = keras.callbacks.BackupAndRestore("/tmp/keras_pipe_compat_check")
+    needed = [
+        (layer, "_flatten_layers"),
+        (layer, "_get_own_losses"),
+        (layer, "_get_regularization_losses"),
+        (layer, "_seed_generators"),
+        (model, "_compile_loss"),
+        (model, "_compile_metrics"),
+        (model, "_loss_tracker"),
+        (model, "_compile_config"),
+        (model, "_initial_epoch"),
+        (keras.metrics.Mean(), "total"),
+        (keras.metrics.Mean(), "count"),
+        *[(callback, name) for name in BACKUP_ATTRIBUTES],
+    ]
+    missing = [f"{type(obj).__name__}.{name}" for obj, name in needed if not hasattr(obj, name)]
+    try:
+        _ = file_utils().exists
+        global_seed()
+        get_mask(tf.zeros(1))
+        with unallocated_scope():
+            pass
+    except (ImportError, AttributeError) as error:
+        missing.append(str(error))
+    concrete = tf.function(lambda x: x + 1).get_concrete_function(tf.TensorSpec((), tf.float32))
+    if not hasattr(concrete, "_call_flat"):
+        missing.append("ConcreteFunction._call_flat")
+    if not isinstance(variable_handle(layer.seed_generator.state), tf.Variable):
+        missing.append("KerasVariable.value is not a tf.Variable")
+    if missing:
+        raise AttributeError(
+            f"keras_pipe {keras.__version__=} {tf.__version__=}: internals gone: {', '.join(missing)}. "
+            "Update keras_pipe/compat/ for this version."
+        )

@@ -1,0 +1,139 @@
+"""Internal: Keras' trainer (``Trainer``, ``trainers.compile_utils``), its losses, and its callbacks' internals.
+
+The compiled loss and metrics and the loss tracker, which the last stage
+runs per micro-batch; ``BackupAndRestore``'s files and ``TensorBoard``'s
+model summary, which become collective under the pipeline; the loss helpers
+a micro-batch's loss is computed with.
+"""
+
+from __future__ import annotations
+
+
+def compiled_loss(model):
+    """The ``CompileLoss`` built by ``compile()`` (``Trainer._compile_loss``, Keras 3.0-3.15).
+
+    Why: the last stage computes the compiled loss of each micro-batch
+    itself, without ``compute_loss``, whose signature carries the whole batch.
+    """
+    return model._compile_loss
+
+
+def compiled_metrics(model):
+    """The ``CompileMetrics`` built by ``compile()`` (``Trainer._compile_metrics``, Keras 3.0-3.15)."""
+    return model._compile_metrics
+
+
+def metric_containers() -> tuple:
+    """Keras' containers of compiled metrics, ``(CompileMetrics, MetricsList)`` (``trainers.compile_utils``, 3.0-3.15).
+
+    Why: a ``MonitorCallback`` with ``mode="auto"`` looks its metric's
+    direction up among the members of these, in ``model.metrics``; a rank
+    without the last stage answers it with the last stage's names and
+    directions (``engine/logs.py``).
+    """
+    from keras.src.trainers.compile_utils import CompileMetrics, MetricsList
+
+    return CompileMetrics, MetricsList
+
+
+def loss_tracker(model):
+    """The ``Mean`` behind the logged ``loss`` (``Trainer._loss_tracker``, Keras 3.0-3.15)."""
+    return model._loss_tracker
+
+
+def set_mean_state(mean, total: float, count: float) -> None:
+    """Sets a ``keras.metrics.Mean``'s running sums (``Mean.total``/``Mean.count``, Keras 3.0-3.15).
+
+    Why: the loss tracker's mean is kept in Python per step; its variables
+    are written so that ``result()`` agrees.
+    """
+    mean.total.assign(total)
+    mean.count.assign(count)
+
+
+def compile_config_metrics(model):
+    """The ``metrics`` argument given to ``compile()`` (``Trainer._compile_config``, Keras 3.0-3.15), or ``None``."""
+    config = getattr(model, "_compile_config", None)
+    return config.config.get("metrics") if config is not None else None
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Makes the next ``fit()`` start at ``epoch`` (``Trainer._initial_epoch``, read by ``fit``, Keras 3.0-3.15).
+
+    Why: ``BackupAndRestore`` resumes a run this way; under the pipeline it
+    is done by rank 0's decision on every rank.
+    """
+    model._initial_epoch = epoch
+
+
+BACKUP_ATTRIBUTES = (
+    "_weights_path",
+    "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
+    "_current_epoch",
+    "_last_batch_seen",
+    "_load_model",
+    "_save_model",
+)
+
+
+def backup_paths(callback) -> dict:
+    """``BackupAndRestore``'s files and position (private attributes, Keras 3.4-3.15).
+
+    Why: the callback's load and save become collective under the pipeline
+    (rank 0 reads and writes, every rank loads); Keras has no hook for that.
+    """
+    return {name.lstrip("_"): getattr(callback, name) for name in BACKUP_ATTRIBUTES[:6]}
+
+
+def replace_backup_io(callback, load, save) -> None:
+    """Replaces ``BackupAndRestore._load_model`` and ``_save_model`` (Keras 3.4-3.15)."""
+    callback._load_model = load
+    callback._save_model = save
+
+
+def file_utils():
+    """Keras' file helpers, which also handle remote paths (``keras.src.utils.file_utils``, Keras 3.0-3.15)."""
+    from keras.src.utils import file_utils as module
+
+    return module
+
+
+def write_model_summary(board) -> None:
+    """``TensorBoard._write_keras_model_summary`` for a ``PipelineModel`` (``keras_model_summary``, Keras 3.0-3.15).
+
+    Why: Keras writes the ``keras`` tag (the model's JSON) for a model whose
+    class is named ``Functional`` or ``Sequential`` only; the pipeline stands
+    for one, and its event files carry the same tags.
+    """
+    from keras.src.callbacks.tensorboard import keras_model_summary
+
+    with board._train_writer.as_default():
+        keras_model_summary("keras", board.model, step=0)
+
+
+def loss_terms(compile_loss) -> list:
+    """A built ``CompileLoss``'s terms ``(path, loss, weight, name)`` (``CompileLoss._flat_losses``, Keras 3.0-3.15)."""
+    return list(compile_loss._flat_losses or [])
+
+
+def apply_mask(sample_weight, mask, dtype, reduction):
+    """``keras.src.losses.loss.apply_mask`` (Keras 3.0-3.15): a mask merged into the sample weights."""
+    from keras.src.losses.loss import apply_mask as keras_apply_mask
+
+    return keras_apply_mask(sample_weight, mask, dtype=dtype, reduction=reduction)
+
+
+def squeeze_or_expand_to_same_rank(x1, x2):
+    """``keras.src.losses.loss.squeeze_or_expand_to_same_rank`` (Keras 3.0-3.15)."""
+    from keras.src.losses.loss import squeeze_or_expand_to_same_rank as keras_squeeze
+
+    return keras_squeeze(x1, x2)
+
+
+def scale_loss_for_distribution(value):
+    """``keras.src.losses.loss.scale_loss_for_distribution`` (Keras 3.0-3.15)."""
+    from keras.src.losses.loss import scale_loss_for_distribution as keras_scale
+
+    return keras_scale(value)
