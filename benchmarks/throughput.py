@@ -336,7 +336,7 @@ def main():
             trees += [
                 (f"{label} [other]", ranks, worker_args, {"PYTHONPATH": other})
                 for label, ranks, worker_args in rows
-                if label.startswith("PipelineModel")
+                if label.startswith("PipelineModel") and "m=auto" not in label  # (new here: the other lacks it)
             ]
         mine = str(Path(__file__).resolve().parent.parent)
         speeds: dict[str, list[float]] = {label: [] for label, _, _, _ in trees}
