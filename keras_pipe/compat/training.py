@@ -8,6 +8,8 @@ a micro-batch's loss is computed with.
 
 from __future__ import annotations
 
+import contextlib
+
 
 def compiled_loss(model):
     """The ``CompileLoss`` built by ``compile()`` (``Trainer._compile_loss``, Keras 3.0-3.15).
@@ -98,6 +100,33 @@ def file_utils():
     from keras.src.utils import file_utils as module
 
     return module
+
+
+@contextlib.contextmanager
+def makedirs_tolerating_existing():
+    """While it is open, Keras' ``file_utils.makedirs`` takes a directory that exists by the time it runs as made.
+
+    Why: ``ModelCheckpoint._save_model`` (Keras 3.0-3.15) checks
+    ``file_utils.exists(dirname)``, then calls ``file_utils.makedirs(dirname)``
+    (``os.makedirs``, no ``exist_ok``); every rank runs it, and on a shared
+    filesystem another rank can make the directory between the two, which
+    raised ``FileExistsError`` on one rank alone.
+    """
+    module = file_utils()
+    make = module.makedirs
+
+    def makedirs(path):
+        try:
+            return make(path)
+        except FileExistsError:
+            if not module.isdir(path):
+                raise
+
+    module.makedirs = makedirs
+    try:
+        yield
+    finally:
+        module.makedirs = make
 
 
 def write_model_summary(board) -> None:

@@ -166,31 +166,19 @@ class _TensorBoardWeights(keras.callbacks.Callback):
 def _tolerate_racing_directories(callback: keras.callbacks.ModelCheckpoint) -> None:
     """``ModelCheckpoint`` makes its file's directory where it is missing, on every rank: a race on a shared filesystem.
 
-    Keras 3.15's ``_save_model`` checks ``file_utils.exists(dirname)``, then
-    calls ``file_utils.makedirs(dirname)``; with several ranks on one
-    filesystem (``{epoch}`` in the directory's name: a new one each epoch),
-    another rank can make it between the two, and ``os.makedirs`` raises
-    ``FileExistsError`` on this rank alone, which aborted the job. While the
-    callback saves, a directory that exists by then is taken as made.
+    Another rank can make it between Keras' check and its ``makedirs``
+    (``{epoch}`` in the directory's name: a new one each epoch), which
+    raised on this rank alone and aborted the job. While the callback
+    saves, a directory that exists by then is taken as made
+    (:func:`keras_pipe.compat.makedirs_tolerating_existing`).
     """
     if getattr(callback, "_keras_pipe_tolerant", False):
         return  # (a second fit() with the same callback)
-    files = compat.file_utils()
     original = callback._save_model
 
-    def makedirs(path, make=files.makedirs):
-        try:
-            return make(path)
-        except FileExistsError:
-            if not files.isdir(path):
-                raise
-
     def save_model(*args, **kwargs):
-        make, files.makedirs = files.makedirs, makedirs
-        try:
+        with compat.makedirs_tolerating_existing():
             return original(*args, **kwargs)
-        finally:
-            files.makedirs = make
 
     callback._save_model = save_model
     callback._keras_pipe_tolerant = True

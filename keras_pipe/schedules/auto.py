@@ -105,10 +105,6 @@ class SchedulePicker:
         """The number of micro-batches of the next step (training, evaluation, prediction: the pick's, once made)."""
         return self._choices[self.candidate()][1]
 
-    @property
-    def num_microbatches(self) -> int:
-        return self.microbatches()
-
     def candidate(self) -> str:
         """The candidate the next training step runs (its schedule's name, with ``" m=4"`` where ``m`` is timed too)."""
         if self.picked:
@@ -138,7 +134,8 @@ class SchedulePicker:
     def describe(self) -> str:
         """What ``summary()`` says: the pick, the times it came from, and its simulated bubble."""
         if self.picked is None:
-            timing = " and ".join([", ".join(self.candidates[:-1]), self.candidates[-1]][-len(self.candidates) :])
+            *others, last = self.candidates
+            timing = f"{', '.join(others)} and {last}" if others else last
             return f"auto: not picked yet (the next {self.steps_left()} training steps time {timing})"
         name, m = self._choices[self.picked]
         bubble = simulated_bubble(name, self.num_stages, m)
