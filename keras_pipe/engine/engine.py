@@ -34,7 +34,7 @@ from keras_pipe.engine.consistency import StepAgreement
 from keras_pipe.engine.executor import Executor, rows
 from keras_pipe.engine.links import Links
 from keras_pipe.engine.logs import LogSharing
-from keras_pipe.engine.options import AUTO, PipelineOptions
+from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.engine.predictions import PredictionExchange
 from keras_pipe.engine.profile import balance_by_time
 from keras_pipe.engine.stage_actions import StageActions
@@ -77,7 +77,7 @@ class Engine:
         # (every default filled in and every rule checked there, once: keras_pipe.engine.options)
         self.options = options.resolve(self.num_stages)
         self.picker = None
-        auto_microbatches = self.options.num_microbatches == AUTO
+        auto_microbatches = self.options.auto_microbatches
         if self.schedule == "auto" or auto_microbatches:
             self.picker = SchedulePicker(
                 self.num_stages,
@@ -140,7 +140,7 @@ class Engine:
         for chunk in self.chunks:
             chunk.compute.configure(jit, eager, frozen)
         if self.graph is not None:  # (a layer unfrozen since, as in the second phase of Keras' fine-tuning guide)
-            self._warn_about_batch_statistics(self.graph)
+            self._check_batch_statistics(self.graph)
 
     @property
     def built(self) -> bool:
@@ -221,7 +221,7 @@ class Engine:
         self._built_counts = self._weight_counts()
         own = [model_graph.units[unit] for unit in self.stage_units()]
         graphs.allocate(own)
-        self._warn_about_batch_statistics(model_graph)
+        self._check_batch_statistics(model_graph)
         self.chunks = [self._chunk(k) for k in self.placement[self.stage]]
         self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
@@ -292,7 +292,9 @@ class Engine:
                 "quantize), then make the pipeline of it."
             )
 
-    def _warn_about_batch_statistics(self, model_graph) -> None:
+    def _check_batch_statistics(self, model_graph) -> None:
+        """Batch normalization computing statistics per micro-batch: refused with ``num_microbatches="auto"``
+        (each candidate m would train differently), warned of otherwise (training differs from ``Sequential``)."""
         if self.num_microbatches > 1:
             # (with replicas, statistics are also per replica, as in any data-parallel Keras)
             # (a frozen one, trainable=False, normalises with its moving statistics: nothing differs)
@@ -307,7 +309,7 @@ class Engine:
                     if isinstance(sub, keras.layers.BatchNormalization) and sub.trainable
                 )
             )
-            if normalising and self.options.num_microbatches == AUTO:
+            if normalising and self.options.auto_microbatches:
                 raise PipelineConfigError(
                     f"num_microbatches='auto' times several numbers of micro-batches, but {len(normalising)} "
                     f"BatchNormalization layers ({', '.join(normalising[:4])}) compute their statistics per "
@@ -349,7 +351,7 @@ class Engine:
         measured, notes = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
         for variable, value in state:
             variable.assign(value)
-        if notes and self.options.num_microbatches == AUTO:  # (the same on every rank)
+        if notes and self.options.auto_microbatches:  # (the same on every rank)
             raise PipelineConfigError(
                 "num_microbatches='auto' times several numbers of micro-batches, each of which would train this "
                 "model differently: " + notes[0]

@@ -47,6 +47,11 @@ class PipelineOptions:
     stall_timeout: float | None = None
     recompute: str = "never"
 
+    @property
+    def auto_microbatches(self) -> bool:
+        """Whether ``num_microbatches="auto"``: the engine's picker times several numbers of micro-batches."""
+        return self.num_microbatches == AUTO
+
     @classmethod
     def defaults(cls) -> dict:
         """``{name: default}`` of every option."""
@@ -72,7 +77,7 @@ class PipelineOptions:
         num_microbatches = self.num_microbatches
         if num_microbatches is None:
             num_microbatches = 1 if num_stages == 1 else 2 * num_stages
-        if num_microbatches != AUTO:  # ("auto": the candidates of keras_pipe.schedules.auto, each a multiple of P)
+        if not self.auto_microbatches:  # ("auto": the candidates of keras_pipe.schedules.auto, each a multiple of P)
             check_microbatches(num_microbatches)
         schedule.check_name(self.schedule)
         num_chunks = schedule.default_chunks(self.schedule) if self.num_chunks is None else self.num_chunks
@@ -80,7 +85,7 @@ class PipelineOptions:
         check_recompute(self.recompute)
         if self.split_before is not None and self.balance is not None:
             raise PipelineConfigError("give balance or split_before, not both: each says where the stages begin.")
-        if self.schedule == "interleaved-1f1b" and num_microbatches != AUTO:
+        if self.schedule == "interleaved-1f1b" and not self.auto_microbatches:
             virtual.check_whole_rounds(num_stages, num_microbatches)
         return dataclasses.replace(
             self, num_microbatches=num_microbatches, num_chunks=num_chunks, num_stages=num_stages
