@@ -19,7 +19,9 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
 - ``balanced-b64``, ``balanced-b256``: 1024 -> 8 x Dense(1024) -> 10, which
   two ranks split into two equal stages (the chain torch's pipelining was
   measured on in the issues), with m = 2 (as many micro-batches as ranks:
-  the thickest) beside m = 4 and 8;
+  the thickest) beside m = 4 and 8; ``balanced-b32``, its ``Sequential``
+  rows only: twice its one-core figure is the bubble-free ceiling of
+  ``balanced-b64`` at m = 2 (two one-core stages of 32-row micro-batches);
 - ``llama-b16``: keras_hub's ``LlamaCausalLM`` from constructor arguments
   (vocabulary 8000, 4 layers, hidden 512, 128 tokens a sequence), batch 16
   sequences, figures in sequences per second; its "Sequential" rows are the
@@ -30,8 +32,10 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
 
 ``--torch-python PATH`` adds torch's pipelining of the balanced chain, the
 same split on the same two ranks (``torch_pipelining.py``, run by that
-interpreter: torch is not a dependency), 1F1B and GPipe at each m, to the
-same alternated rounds, and prints each PipelineModel row against it.
+interpreter: torch is not a dependency), its 1F1B, GPipe, interleaved 1F1B,
+interleaved zero bubble and ZB-V at each m, to the same alternated rounds,
+and prints each PipelineModel row against it (``pip install torch==2.13.0``
+in a venv of its own gives the CPU build this machine has on disk).
 
 ``--recompute always`` trains every PipelineModel row with that option.
 ``--compare-tree PATH`` runs every PipelineModel configuration a second
@@ -65,6 +69,8 @@ WORKLOADS = {
     "small": dict(features=64, width=128, depth=4, batch=64, steps=48, microbatches=(1, 4), metric=True),
     # the balanced chain of the issues (two equal stages on two ranks), beside torch's pipelining of it
     "balanced-b64": dict(features=1024, width=1024, depth=8, batch=64, steps=32, microbatches=(2, 4, 8)),
+    # the bubble-free ceiling of balanced-b64 at m = 2 (issue 49): twice a one-core Sequential at batch 32
+    "balanced-b32": dict(features=1024, width=1024, depth=8, batch=32, steps=64, microbatches=()),
     "balanced-b256": dict(features=1024, width=1024, depth=8, batch=256, steps=12, microbatches=(2, 4)),
     # a language model (keras_hub's LlamaCausalLM from constructor arguments): untied embeddings on the first and
     # the last virtual stage, which ZB-V and interleaved 1F1B sum across chunks (issue 49)
@@ -76,6 +82,8 @@ MODELS = {"mlp-2048x4": dict(width=2048, depth=4), "deep-512x16": dict(width=512
 BATCH = 64
 STEPS_PER_EPOCH = 24
 TORCH = "torch pipelining 2 ranks "  # (the label of torch's rows)
+# torch's schedules of torch_pipelining.py: ours by name, and its interleaved zero bubble (two stages a rank)
+TORCH_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zb-v")
 
 
 def build_layers(width, depth, features=784):
@@ -247,7 +255,7 @@ def configurations(workload: str, autotune: str = "off", torch: bool = False) ->
     """``(label, ranks, worker arguments)`` of every configuration of a workload.
 
     ``autotune`` is tf.data's autotuning for the ``Sequential`` rows (``PipelineModel`` turns it off);
-    ``torch`` adds torch's pipelining of the balanced chain (1F1B and GPipe at each m).
+    ``torch`` adds torch's pipelining of the balanced chain (each of ``TORCH_SCHEDULES`` at each m).
     """
     spec = WORKLOADS[workload]
     rows = []
@@ -256,17 +264,18 @@ def configurations(workload: str, autotune: str = "off", torch: bool = False) ->
             label = f"Sequential{' jit' if jit == 'True' else ''}, {cores}"
             worker_args = ["--kind", "sequential", "--jit", jit, "--threads", str(threads), "--autotune", autotune]
             rows.append((label, 1, worker_args))
-    rows.append(("PipelineModel 1 rank, m=1", 1, ["--kind", "pipeline", "--microbatches", "1"]))
+    if spec["microbatches"]:  # (none: a workload of Sequential rows only)
+        rows.append(("PipelineModel 1 rank, m=1", 1, ["--kind", "pipeline", "--microbatches", "1"]))
     for m in spec["microbatches"]:
         for schedule in SCHEDULES if m > 1 else ("1f1b",):
             label = f"PipelineModel 2 ranks {schedule}, m={m}"
             rows.append((label, 2, ["--kind", "pipeline", "--microbatches", str(m), "--schedule", schedule]))
-    if len(spec["microbatches"]) > 1 or spec["microbatches"][0] > 1:  # (m and the schedule both picked by timing)
+    if len(spec["microbatches"]) > 1 or spec["microbatches"][:1] > (1,):  # (m and the schedule both picked by timing)
         label = "PipelineModel 2 ranks auto, m=auto"
         rows.append((label, 2, ["--kind", "pipeline", "--microbatches", "auto", "--schedule", "auto"]))
     if torch and workload.startswith("balanced"):  # (benchmarks/torch_pipelining.py runs the balanced chain)
         for m in spec["microbatches"]:
-            for schedule in ("1f1b", "gpipe"):
+            for schedule in TORCH_SCHEDULES:
                 rows.append((f"{TORCH}{schedule}, m={m}", 2, ["--microbatches", str(m), "--schedule", schedule]))
     return rows
 
