@@ -13,8 +13,11 @@ that holds it. Two virtual stages may talk over the same pair of ranks (0 -> 1
 and 2 -> 3 above), and the schedule interleaves their messages, so each
 ordered pair of virtual stages has tags of its own: MPI then keeps each
 pair's messages in order, as it keeps a stage's with one chunk a rank. A
-chunk may send to a chunk on its own rank (ZB-V's turn at the last rank):
-sends start at once and complete when received, so that is a message too.
+chunk that sends to a chunk on its own rank (ZB-V's turn at the last rank)
+hands the tensor over in a :class:`Mailbox` the rank's chunks share, in the
+same order MPI would keep: no copy to the host and back (on a GPU, two
+transfers over the bus a message), and a receive with nothing handed over
+is a clear error at once instead of a wait.
 
 Example:
 
@@ -25,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -51,6 +55,28 @@ def ranks_of_virtual_stages(placement: list[list[int]]) -> list[int]:
     return [ranks[k] for k in range(len(ranks))]
 
 
+class Mailbox:
+    """What a rank's chunks hand each other: per tag (one per kind and ordered pair of virtual stages), in order."""
+
+    def __init__(self):
+        self._queues: dict[int, deque] = {}
+
+    def post(self, tag: int, value) -> None:
+        self._queues.setdefault(tag, deque()).append(value)
+
+    def take(self, tag: int, source: int, me: int):
+        queue = self._queues.get(tag)
+        if not queue:
+            raise RuntimeError(
+                f"internal error: virtual stage {me} reads a message of virtual stage {source}, on the same rank, "
+                "before it was sent (the schedule orders a receive before its send); please report it"
+            )
+        return queue.popleft()
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+
 class ChunkComm:
     """The pipeline's communicator as one virtual stage's links see it: a rank is a virtual stage.
 
@@ -58,13 +84,15 @@ class ChunkComm:
         comm: the pipeline's :class:`~keras_pipe.mpi.comm.Communicator`.
         ranks: each virtual stage's rank in ``comm``.
         me: this chunk's virtual stage.
+        mailbox: the :class:`Mailbox` of this rank's chunks (``None``: every message through ``comm``).
     """
 
-    def __init__(self, comm, ranks: list[int], me: int):
+    def __init__(self, comm, ranks: list[int], me: int, mailbox: Mailbox | None = None):
         self.comm = comm
         self.ranks = list(ranks)
         self.me = me
         self.size = len(ranks)
+        self.mailbox = mailbox
         highest = self._tag(TAG_SPAN - 1, self.size - 1, self.size - 1)
         bound = comm.tag_upper_bound() if hasattr(comm, "tag_upper_bound") else None
         if bound is not None and highest > bound:
@@ -79,6 +107,18 @@ class ChunkComm:
 
     def world_rank_of(self, stage: int) -> int:
         return self.comm.world_rank_of(self.ranks[stage])
+
+    def is_local(self, stage: int) -> bool:
+        """Whether virtual stage ``stage`` is held by this rank too (its messages go through the mailbox)."""
+        return self.mailbox is not None and self.ranks[stage] == self.ranks[self.me]
+
+    def hand_over(self, value, dest: int, tag: int) -> None:
+        """Gives ``value`` (a tensor, as it is) to virtual stage ``dest`` of this rank."""
+        self.mailbox.post(self._tag(tag, self.me, dest), value)
+
+    def take(self, source: int, tag: int):
+        """The next value virtual stage ``source`` of this rank handed over with ``tag``."""
+        return self.mailbox.take(self._tag(tag, source, self.me), source, self.me)
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         self.comm.send(array, self.ranks[dest], self._tag(tag, self.me, dest))

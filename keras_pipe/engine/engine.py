@@ -29,7 +29,7 @@ from keras_pipe import compat
 from keras_pipe.engine import probe
 from keras_pipe.engine.allreduce import ReplicaReducer, TiedReducer
 from keras_pipe.engine.batch import Batch
-from keras_pipe.engine.chunks import Chunk, ChunkComm, ranks_of_virtual_stages
+from keras_pipe.engine.chunks import Chunk, ChunkComm, Mailbox, ranks_of_virtual_stages
 from keras_pipe.engine.consistency import StepAgreement
 from keras_pipe.engine.executor import Executor, rows
 from keras_pipe.engine.links import Links
@@ -90,6 +90,7 @@ class Engine:
         # always on the last (ZB-V's V ends where it began).
         self.placement = schedule.placement(self.schedule, self.num_stages, self.num_chunks)
         self.virtual_ranks = ranks_of_virtual_stages(self.placement)
+        self.mailbox = Mailbox()  # (what this rank's chunks hand each other: engine.chunks)
         self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
         self.actions = StageActions(
             self.schedule, self.picker, self.num_stages, self.stage, self.num_chunks, self.placement
@@ -259,7 +260,7 @@ class Engine:
         )
         links = None
         if self.num_chunks > 1:
-            links = Links(ChunkComm(self.pipeline, self.virtual_ranks, k), stage, plain.tensors)
+            links = Links(ChunkComm(self.pipeline, self.virtual_ranks, k, self.mailbox), stage, plain.tensors)
         elif self.num_stages > 1:
             links = Links(self.pipeline, stage, plain.tensors)
         return Chunk(compute, links, k == 0, k == last)
@@ -268,6 +269,7 @@ class Engine:
         """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""
         self.graph = self.cut = self.balance = self.compute = self.executor = self.links = self.masks = None
         self.chunks = []
+        self.mailbox = Mailbox()
         self.actions.forget()
 
     def release_others(self) -> None:

@@ -52,6 +52,8 @@ class Links:
         self.num_stages = comm.size
         self.gradient_receives = [c for c in stage.receives if c.gradient]
         self.gradient_sends = [c for c in stage.sends if c.gradient]
+        # (several chunks a rank: a stage on this rank too takes the tensor from a mailbox, engine.chunks)
+        self._is_local = getattr(comm, "is_local", lambda stage: False)
         self.set_masks(masks or {})
 
     def set_masks(self, masks: dict) -> None:
@@ -159,12 +161,17 @@ class Links:
     # -- raw messages --------------------------------------------------------
 
     def _send(self, tensor, destination: int, tag: int, dynamic: bool) -> None:
+        if self._is_local(destination):
+            self.comm.hand_over(tensor, destination, tag)
+            return
         array = _host(tensor)
         if dynamic:
             self.comm.send(np.asarray(array.shape, np.int64), destination, tag)
         self.comm.send(array, destination, tag)
 
     def _receive(self, source: int, tag: int, shape, dtype, rows: int, dynamic: bool):
+        if self._is_local(source):
+            return self._take(source, tag, shape, dtype, rows)
         if dynamic:
             header = self.comm.recv_exact(source, tag, (len(shape),), np.int64)
             trailing = tuple(int(d) for d in header[1:])
@@ -179,6 +186,22 @@ class Links:
                 "different sizes. Give every rank the same data sizes and batch_size."
             )
         return _tensor(array)
+
+    def _take(self, source: int, tag: int, shape, dtype, rows: int):
+        """A tensor a chunk of this rank handed over, checked as a message is: its rows, shape and dtype."""
+        tensor = tf.convert_to_tensor(self.comm.take(source, tag))
+        if tensor.shape[0] != rows:
+            raise RankMismatchError(
+                f"rank {self.comm.world_rank} expected a micro-batch of {rows} samples from virtual stage {source} "
+                f"(on the same rank) but got {tensor.shape[0]}"
+            )
+        _check_shape(self.comm, source, shape, tensor.shape)
+        if tensor.dtype != tf.as_dtype(dtype):
+            raise RankMismatchError(
+                f"rank {self.comm.world_rank} expected {tf.as_dtype(dtype).name} from virtual stage {source} (on the "
+                f"same rank) but got {tensor.dtype.name}: the model's graph and its tensors disagree."
+            )
+        return tensor
 
 
 def _check_shape(comm, source, shape, header) -> None:

@@ -1,7 +1,8 @@
 """Several model chunks a rank: placement, tags and the step with fakes (no MPI), then real ranks under mpirun.
 
-The launch (``mpi_scripts/chunks.py``, 2 ranks: ZB-V's turn is a message
-from rank 1 to itself, interleaving's from rank 1 back to rank 0) trains
+The launch (``mpi_scripts/chunks.py``, 2 ranks: ZB-V's turn is a tensor
+rank 1 hands from one chunk to the other, interleaving's a message from
+rank 1 back to rank 0) trains
 interleaved 1F1B with 2 and 3 chunks and ZB-V as keras.Sequential does,
 with ``global_clipnorm``, Keras masks and a whole-batch loss, saves, loads
 and refuses what chunks do not run yet. ``test_equivalence.py`` trains
