@@ -270,7 +270,7 @@ def configurations(workload: str, autotune: str = "off", torch: bool = False) ->
         for schedule in SCHEDULES if m > 1 else ("1f1b",):
             label = f"PipelineModel 2 ranks {schedule}, m={m}"
             rows.append((label, 2, ["--kind", "pipeline", "--microbatches", str(m), "--schedule", schedule]))
-    if len(spec["microbatches"]) > 1 or spec["microbatches"][:1] > (1,):  # (m and the schedule both picked by timing)
+    if any(m > 1 for m in spec["microbatches"]):  # (m and the schedule both picked by timing)
         label = "PipelineModel 2 ranks auto, m=auto"
         rows.append((label, 2, ["--kind", "pipeline", "--microbatches", "auto", "--schedule", "auto"]))
     if torch and workload.startswith("balanced"):  # (benchmarks/torch_pipelining.py runs the balanced chain)

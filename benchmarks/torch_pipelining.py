@@ -114,6 +114,7 @@ def main() -> None:
     else:
         schedule = kind(stages, n_microbatches=args.microbatches, loss_fn=loss)
     optimizer = torch.optim.Adam([p for m in modules for p in m.parameters()], lr=1e-3)
+    first, last = 0 in held, num_stages - 1 in held  # (the inputs go to the first stage, the targets to the last)
     speeds = []
     for epoch in range(1 + args.epochs):
         dist.barrier()
@@ -121,7 +122,6 @@ def main() -> None:
         for step in range(steps):
             rows = slice(step * batch, (step + 1) * batch)
             optimizer.zero_grad()
-            first, last = 0 in held, num_stages - 1 in held
             if first and last:  # (ZB-V: rank 0 holds the first and the last stage)
                 schedule.step(x[rows], target=y[rows], losses=[])
             elif first:

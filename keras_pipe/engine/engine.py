@@ -90,7 +90,6 @@ class Engine:
         # always on the last (ZB-V's V ends where it began).
         self.placement = schedule.placement(self.schedule, self.num_stages, self.num_chunks)
         self.virtual_ranks = ranks_of_virtual_stages(self.placement)
-        self.mailbox = Mailbox()  # (what this rank's chunks hand each other: engine.chunks)
         self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
         self.actions = StageActions(
             self.schedule, self.picker, self.num_stages, self.stage, self.num_chunks, self.placement
@@ -223,7 +222,8 @@ class Engine:
         own = [model_graph.units[unit] for unit in self.stage_units()]
         graphs.allocate(own)
         self._check_batch_statistics(model_graph)
-        self.chunks = [self._chunk(k) for k in self.placement[self.stage]]
+        mailbox = Mailbox()  # (what this rank's chunks hand each other: engine.chunks)
+        self.chunks = [self._chunk(k, mailbox) for k in self.placement[self.stage]]
         self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
         reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
         tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph, self.virtual_ranks)
@@ -245,8 +245,10 @@ class Engine:
             self.release_others()
         return own
 
-    def _chunk(self, k: int) -> Chunk:
-        """Virtual stage ``k`` of the cut (this rank's stage, with one chunk a rank): its compute and links."""
+    def _chunk(self, k: int, mailbox: Mailbox) -> Chunk:
+        """Virtual stage ``k`` of the cut (this rank's stage, with one chunk a rank): its compute and links.
+
+        ``mailbox``: what this rank's chunks hand each other (:class:`~keras_pipe.engine.chunks.Mailbox`)."""
         the_cut, model_graph = self.cut, self.graph
         plain = model_graph.plain
         stage = the_cut.stages[k]
@@ -260,7 +262,7 @@ class Engine:
         )
         links = None
         if self.num_chunks > 1:
-            links = Links(ChunkComm(self.pipeline, self.virtual_ranks, k, self.mailbox), stage, plain.tensors)
+            links = Links(ChunkComm(self.pipeline, self.virtual_ranks, k, mailbox), stage, plain.tensors)
         elif self.num_stages > 1:
             links = Links(self.pipeline, stage, plain.tensors)
         return Chunk(compute, links, k == 0, k == last)
@@ -269,7 +271,6 @@ class Engine:
         """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""
         self.graph = self.cut = self.balance = self.compute = self.executor = self.links = self.masks = None
         self.chunks = []
-        self.mailbox = Mailbox()
         self.actions.forget()
 
     def release_others(self) -> None:
