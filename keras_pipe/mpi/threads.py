@@ -4,7 +4,11 @@ Several ranks on one host that each use TensorFlow's default pools (one
 thread per core) oversubscribe the cores and slow each other down badly. By
 default each rank gets ``cores // ranks_on_this_host`` threads (at least one);
 ``KERAS_PIPE_THREADS=N`` overrides that, and a user who sets TensorFlow's pools
-before importing keras_pipe keeps them.
+before importing keras_pipe keeps them. ``N`` = the host's cores lends a
+waiting rank's core to its neighbour: faster where one rank computes alone on
+wide products for much of a step, slower on thin micro-batches, where ranks
+that share cores wait at each parallel loop for a descheduled thread
+(``docs/performance.md``, "Lending a waiting rank's core"); hence not the default.
 
 The pools can only be sized before TensorFlow runs its first op, so this
 happens at import, without any MPI call: the number of ranks on this host
