@@ -388,6 +388,13 @@ def print_table(workload: str, spec: dict, median: dict) -> None:
             efficiency = f"{100 * speed / ideal:9.1f}%"
         ratios = f"{speed / baseline:7.2f} {speed / best:7.2f}"
         print(f"{label:<36} {speed:10.1f} {1000 * batch / speed:8.2f} {ratios} {efficiency:>10}")
+    lent = {label: speed for label, speed in median.items() if label.endswith(" threads")}
+    if lent:  # (--rank-threads: each two-rank row again with more threads a rank, a waiting rank's core lent)
+        print("more threads a rank (a waiting rank's core lent) against the default, in this run:")
+        for label, speed in lent.items():
+            default = median.get(label.rsplit(", ", 1)[0])
+            if default:
+                print(f"  {label:<44} {speed:8.1f} vs {default:8.1f} samples/s: {speed / default:5.2f}x")
     torch_rows = {label[len(TORCH) :]: speed for label, speed in median.items() if label.startswith(TORCH)}
     if torch_rows:
         print("two ranks against torch's pipelining of the same split, the same schedule and m, in this run:")
