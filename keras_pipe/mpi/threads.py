@@ -52,6 +52,11 @@ def ranks_on_host_from_environment(environ=os.environ) -> int | None:
     return None
 
 
+def share_of_cores(ranks: int) -> int:
+    """Each of ``ranks`` ranks' default threads on this host: the host's cores divided among them, at least one."""
+    return max(1, host_cores() // ranks)
+
+
 def threads_override(environ=os.environ) -> int | None:
     """``KERAS_PIPE_THREADS`` as a positive integer, or ``None`` when unset; a clear error when invalid."""
     value = environ.get("KERAS_PIPE_THREADS", "")
@@ -81,7 +86,7 @@ def configure_threads(ranks_on_host: int | None = None, warn: bool = True) -> in
         return None
     if tf.config.threading.get_intra_op_parallelism_threads() != 0:
         return None  # the user's choice
-    threads = override or max(1, host_cores() // ranks)
+    threads = override or share_of_cores(ranks)
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
@@ -102,5 +107,5 @@ def configure_threads(ranks_on_host: int | None = None, warn: bool = True) -> in
 def cores_to_spare() -> bool:
     """Whether every rank on this host has cores of its own for its threads (so a waiting rank may spin)."""
     ranks = ranks_on_host_from_environment() or 1
-    threads = _configured or threads_override() or max(1, host_cores() // ranks)
+    threads = _configured or threads_override() or share_of_cores(ranks)
     return ranks * threads <= host_cores()
