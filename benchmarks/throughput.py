@@ -146,10 +146,10 @@ def worker(args):
             times.append(time.perf_counter() - self.start)
 
     times = []
-    # one warm-up epoch (tracing, XLA), and as many more as "auto" takes to time its candidates: the timed epochs
-    # train with what it picked
+    # one warm-up epoch (tracing, XLA; "auto" times its candidates in its first step): the timed epochs train
+    # with what it picked
     picker = getattr(getattr(model, "engine", None), "picker", None)
-    warmup = 1 + (-(-picker.steps_left() // spec["steps"]) if picker is not None else 0)
+    warmup = 1
     epochs = warmup + args.epochs
     model.fit(x, y, batch_size=spec["batch"], epochs=epochs, shuffle=False, verbose=0, callbacks=[Timer()])
     speeds = [n / t for t in times[warmup:]]

@@ -59,6 +59,7 @@ from keras_pipe.compat.training import (
 )
 from keras_pipe.compat.variables import (
     DEFERRED_LOADS,
+    allocate_with,
     allocating_scope,
     held_only_loading,
     lent_values,
@@ -71,6 +72,7 @@ from keras_pipe.compat.variables import (
 __all__ = [
     "BACKUP_ATTRIBUTES",
     "DEFERRED_LOADS",
+    "allocate_with",
     "allocating_scope",
     "apply_mask",
     "backup_paths",

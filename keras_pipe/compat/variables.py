@@ -58,6 +58,18 @@ def restore_initializer(variable) -> None:
         del variable._keras_pipe_initializer
 
 
+def allocate_with(variable, value) -> None:
+    """Gives a variable without memory (released, or never allocated) ``value``, its own from now on
+    (``KerasVariable._initialize``, Keras 3.0-3.15).
+
+    Why: ``schedule="auto"`` picking a schedule that cuts the model otherwise
+    gives a rank weights another rank held until then.
+    """
+    restore_initializer(variable)
+    with allocating_scope(), tf.init_scope():
+        variable._initialize(value)
+
+
 @contextlib.contextmanager
 def lent_values(variables):
     """The unallocated ones of ``variables`` hold a value (zeros, until assigned) inside; none again after.

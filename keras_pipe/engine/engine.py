@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat
-from keras_pipe.engine import probe
+from keras_pipe.engine import probe, recut
 from keras_pipe.engine.allreduce import ReplicaReducer, TiedReducer
 from keras_pipe.engine.batch import Batch
 from keras_pipe.engine.chunks import Chunk, ChunkComm, Mailbox, ranks_of_virtual_stages
@@ -79,34 +79,23 @@ class Engine:
         self.picker = None
         auto_microbatches = self.options.auto_microbatches
         if self.schedule == "auto" or auto_microbatches:
+            candidates = (self.schedule,)
+            if self.schedule == "auto":  # (ZB-V's other cut: kept only where the model can be cut for it, at build)
+                candidates = CANDIDATES + (("zb-v",) if self.num_stages > 1 else ())
             self.picker = SchedulePicker(
                 self.num_stages,
                 None if auto_microbatches else self.options.num_microbatches,
-                candidates=CANDIDATES if self.schedule == "auto" else (self.schedule,),
+                candidates=candidates,
                 microbatch_counts=microbatch_candidates(self.num_stages) if auto_microbatches else None,
             )
+        self._placings: dict = {}  # (auto, while it times: each placement's engine attributes, engine.recut.PLACED)
         # Several chunks a rank: the model is cut into num_stages * num_chunks virtual stages, placed as
         # the schedule says (keras_pipe.engine.chunks); the first is always on the first rank, the last not
         # always on the last (ZB-V's V ends where it began).
-        self.placement = schedule.placement(self.schedule, self.num_stages, self.num_chunks)
-        self.virtual_ranks = ranks_of_virtual_stages(self.placement)
-        self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
-        self.actions = StageActions(
-            self.schedule, self.picker, self.num_stages, self.stage, self.num_chunks, self.placement
-        )
+        self._place(self.schedule, self.options.num_chunks)
         self.is_first = self.stage == 0
-        self.is_last = self.stage == self.last_rank
         first_stages = [pipeline[0] for pipeline in self.layout.pipelines] if self.num_replicas > 1 else []
         self.steps = StepAgreement(self.world, data_ranks=first_stages)
-        self.predictions = PredictionExchange(
-            self.pipeline,
-            self.replicas,
-            self.num_replicas,
-            self.num_stages,
-            self.last_rank,
-            self.is_first,
-            self.is_last,
-        )
         self.logs = LogSharing(self.world, source=self.layout.rank_of(0, self.last_rank))
         self.where = f"stage {self.stage}" + (f" of replica {self.replica}" if self.replicas is not None else "")
         self.graph: graphs.ModelGraph | None = None
@@ -121,13 +110,33 @@ class Engine:
         self.jit, self.eager, self.frozen = "auto", False, False
         self._warned_norms: set = set()  # the trainable BatchNormalization layers when last warned about
 
+    def _place(self, name: str, num_chunks: int) -> None:
+        """The placement of schedule ``name``'s ``num_chunks`` chunks a rank, and what follows from it: which rank
+        computes the loss (``last_rank``, ``is_last``), this rank's actions and the exchange of targets."""
+        self.num_chunks = num_chunks
+        self.placement = schedule.placement(name, self.num_stages, num_chunks)
+        self.virtual_ranks = ranks_of_virtual_stages(self.placement)
+        self.last_rank = self.virtual_ranks[-1]  # (the pipeline rank that computes the loss)
+        self.actions = StageActions(name, self.picker, self.num_stages, self.stage, num_chunks, self.placement)
+        self.is_last = self.stage == self.last_rank
+        self.predictions = PredictionExchange(
+            self.pipeline,
+            self.replicas,
+            self.num_replicas,
+            self.num_stages,
+            self.last_rank,
+            self.stage == 0,
+            self.is_last,
+        )
+        if getattr(self, "logs", None) is not None:
+            self.logs.source = self.layout.rank_of(0, self.last_rank)
+
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per batch (``"auto"``: the next step's, the pick's once made)."""
         return self.options.num_microbatches if self.picker is None else self.picker.microbatches()
 
     schedule = property(lambda self: self.options.schedule, doc='The schedule\'s name (``"auto"`` too).')
-    num_chunks = property(lambda self: self.options.num_chunks, doc="Model chunks (virtual stages) a rank.")
     recompute = property(lambda self: self.options.recompute, doc="Activation recomputation.")
 
     def configure(self, jit, eager: bool, frozen: bool = False) -> None:
@@ -156,7 +165,8 @@ class Engine:
         ``release=False`` the other stages' weights stay where they are
         allocated (until :meth:`release_others`).
         """
-        model_graph = graphs.from_model(model, self.num_stages * self.num_chunks)
+        # (auto timing ZB-V: the graph fine enough for its 2P virtual stages, which serves one stage a rank too)
+        model_graph = graphs.from_model(model, self.num_stages * max(self.num_chunks, 2 if self._times_v() else 1))
         rows = max(1, batch_size // self.num_microbatches) if batch_size else 32
         plain = model_graph.plain
         if not plain.nodes:
@@ -194,7 +204,34 @@ class Engine:
                 f"{error} (with {self.num_chunks} chunks a rank there are {virtual} virtual stages: balance lists "
                 f"{virtual} sizes, split_before {virtual - 1} names)"
             ) from None
+        if self._times_v():
+            self._check_v_cut(model_graph)
         return self._finish_build(model_graph, cuts.cut(plain, sizes), sizes, release)
+
+    def _times_v(self) -> bool:
+        """Whether ``"auto"`` still has ZB-V, whose cut is not this one, among its candidates."""
+        return self.picker is not None and self.picker.picked is None and "zb-v" in self.picker.schedules()
+
+    def _v_sizes(self, model_graph) -> list[int]:
+        """The nodes of each of ZB-V's ``2P`` virtual stages, balanced by parameter count as ``balance=None`` does."""
+        return cuts.balance_by_cost([node.cost for node in model_graph.plain.nodes], 2 * self.num_stages)
+
+    def _check_v_cut(self, model_graph) -> None:
+        """Drops ZB-V from ``"auto"``'s candidates where its cut is not this model's to make (the same on every
+        rank): a cut the user gave (``balance``, ``split_before``: for one stage a rank), fewer layers than its
+        ``2P`` virtual stages."""
+        problem = None
+        if self.options.balance is not None or self.options.split_before is not None:
+            problem = "balance or split_before give one stage a rank"
+        elif len(model_graph.plain.nodes) < 2 * self.num_stages:
+            problem = f"{len(model_graph.plain.nodes)} layers, fewer than its {2 * self.num_stages} virtual stages"
+        else:
+            try:
+                cuts.cut(model_graph.plain, self._v_sizes(model_graph))
+            except PipelineConfigError as error:
+                problem = str(error)
+        if problem is not None:
+            self.picker.drop("zb-v", problem)
 
     def _sizes(self, model_graph, virtual: int, rows: int) -> list[int]:
         """Nodes per (virtual) stage, as ``split_before`` or ``balance`` say."""
@@ -271,6 +308,7 @@ class Engine:
         """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""
         self.graph = self.cut = self.balance = self.compute = self.executor = self.links = self.masks = None
         self.chunks = []
+        self._placings.clear()
         self.actions.forget()
 
     def release_others(self) -> None:
@@ -404,6 +442,27 @@ class Engine:
         the global batch's flat model outputs on the last stage (every
         replica's share, gathered), else ``None``.
         """
+        batch = self._batch(phase, x, batch_size, y, sample_weight, loss, optimizer)
+        bounds = batch.bounds
+        actions = self.actions.for_batch(self.chunks, phase, len(bounds), batch.whole_batch_loss) if bounds else []
+        result = self.executor.run(actions, batch)
+        if not self.is_last:
+            return result.loss_part, None, None
+        outputs = len(self.cut.graph.outputs)
+        parts = [p for p in result.predictions if p is not None] or [
+            self.predictions.none(phase, self.cut.graph, self.masks)
+        ]
+        flat = []
+        for k in range(outputs):
+            pieces = [p[k] for p in parts]
+            if isinstance(pieces[0], Masked):
+                flat.append(Masked(*(tf.concat(part, axis=0) for part in zip(*pieces))))
+            else:
+                flat.append(tf.concat(pieces, axis=0))
+        return result.loss_part, result.terms, [self.predictions.gather_replicas(p, batch_size) for p in flat]
+
+    def _batch(self, phase: str, x, batch_size: int, y, sample_weight, loss, optimizer) -> Batch:
+        """The batch as this rank's executor runs it (its micro-batches' rows; the loss's shares on the last rank)."""
         self.measure(x)
         if loss is not None:
             loss.masked = self.output_masked()  # (known once measured, on the first batch)
@@ -420,7 +479,7 @@ class Engine:
         if loss is not None and self.is_last:
             shares = divisor_shares(loss.reductions(), bounds, sample_weight, batch_size, [p for p, *_ in loss.terms])
             term_weights = np.asarray(loss.weights(), np.float64)
-        batch = Batch(
+        return Batch(
             phase=phase,
             batch_size=batch_size,
             bounds=bounds,
@@ -434,32 +493,99 @@ class Engine:
             regularize=self.replica == 0 and phase != "predict",
             whole_batch_loss=whole,
         )
-        actions = self.actions.for_batch(self.chunks, phase, len(bounds), whole) if bounds else []
-        began = time.perf_counter()
-        result = self.executor.run(actions, batch)
-        if phase == "train" and self.picker is not None and self.picker.record(time.perf_counter() - began):
-            # (collective: every rank has just ended its last timed step)
-            self.picker.decide(self.world.allgather_json(self.picker.times))
-        if not self.is_last:
-            return result.loss_part, None, None
-        outputs = len(self.cut.graph.outputs)
-        parts = [p for p in result.predictions if p is not None] or [
-            self.predictions.none(phase, self.cut.graph, self.masks)
-        ]
-        flat = []
-        for k in range(outputs):
-            pieces = [p[k] for p in parts]
-            if isinstance(pieces[0], Masked):
-                flat.append(Masked(*(tf.concat(part, axis=0) for part in zip(*pieces))))
-            else:
-                flat.append(tf.concat(pieces, axis=0))
-        return result.loss_part, result.terms, [self.predictions.gather_replicas(p, batch_size) for p in flat]
+
+    # -- schedule="auto" (collective) -------------------------------------------------------
+
+    def picking(self) -> bool:
+        """Whether the next training step first times ``"auto"``'s candidates (:meth:`pick_schedule`)."""
+        return self.picker is not None and self.picker.picked is None and self.built
+
+    def pick_schedule(self, x, batch_size: int, y, sample_weight, loss, optimizer) -> None:
+        """Times ``"auto"``'s candidates on this batch, then every rank takes the fastest (collective).
+
+        Each candidate runs warm-up and timed steps in turn on the batch
+        (:class:`~keras_pipe.schedules.auto.SchedulePicker`); none of them
+        trains: each updates a copy of ``optimizer`` (not yet built: it is
+        built once the pick is made, on the variables the picked cut places
+        here) and every variable this rank held is put back afterwards
+        (:mod:`keras_pipe.engine.recut`). A candidate that cuts the model
+        otherwise (ZB-V's V of ``2P`` virtual stages) is built beside this
+        cut while the timing lasts, its weights copied from the ranks that
+        hold them; the cut not picked is freed.
+        """
+        picker = self.picker
+        if optimizer is not None and optimizer.built and self._times_v():
+            # (built on this cut's variables already: a restored optimizer state; the same on every rank)
+            picker.drop("zb-v", "the optimizer was built before the first training step, on one stage a rank")
+        keys = {}
+        for name in picker.schedules():  # (every placement built, and its weights copied, before the timing)
+            self._switch(name)
+            keys[name] = recut.key_of(self.placement)
+        held = [self.graph.units[u] for state in self._placings.values() for u in self._units_of(state)]
+        snapshot = recut.Snapshot(held + [self.graph.units[u] for u in self.stage_units()])
+        copies = {}
+        while picker.steps_left():
+            name = picker.current()
+            self._switch(name)
+            if keys[name] not in copies:
+                copies[keys[name]] = recut.timing_optimizer(optimizer) if optimizer is not None else None
+                if copies[keys[name]] is not None:
+                    copies[keys[name]].build(self.trainable_variables)
+            self.world.doing = f"timing schedule {picker.candidate()!r} for schedule='auto'"
+            batch = self._batch("train", x, batch_size, y, sample_weight, loss, copies[keys[name]])
+            actions = self.actions.for_batch(self.chunks, "train", len(batch.bounds), batch.whole_batch_loss)
+            began = time.perf_counter()
+            self.executor.run(actions, batch)
+            picker.record(time.perf_counter() - began)
+        snapshot.restore()
+        picker.decide(self.world.allgather_json(picker.times))
+        self._switch(picker.current())
+        self._placings.clear()
+        self.release_others()
+        for copy in (c for c in copies.values() if c is not None):  # (their programs: the user's traces its own)
+            for chunk in self.chunks:
+                chunk.compute.forget_optimizer(copy)
+
+    def _units_of(self, state: dict) -> list[str]:
+        """The units a rank holds under another placement's ``state`` (:data:`keras_pipe.engine.recut.PLACED`)."""
+        units = [u for k in state["placement"][self.stage] for u in state["cut"].stages[k].units]
+        return list(dict.fromkeys(units))
+
+    def _switch(self, name: str) -> None:
+        """Makes schedule ``name``'s placement this engine's; built the first time (collective then: the
+        weights it places elsewhere travel from the ranks that hold them)."""
+        chunks = 2 if name == "zb-v" else 1
+        key = recut.key_of(schedule.placement(name, self.num_stages, chunks))
+        current = recut.key_of(self.placement)
+        if key == current:
+            return
+        self._placings[current] = {attr: getattr(self, attr) for attr in recut.PLACED}
+        if key in self._placings:
+            for attr, value in self._placings.pop(key).items():
+                setattr(self, attr, value)
+            self.logs.source = self.layout.rank_of(0, self.last_rank)
+            return
+        owners = {unit: self.owner_of(unit) for unit in self.graph.units}
+        self._place(name, chunks)
+        self.masks = None
+        sizes = self._v_sizes(self.graph) if chunks == 2 else self._sizes(self.graph, self.num_stages, 32)
+        self._finish_build(self.graph, cuts.cut(self.graph.plain, sizes), sizes, release=False)
+        holders = {unit: set() for unit in self.graph.units}
+        for stage in self.cut.stages:
+            for unit in stage.units:
+                holders[unit].add(self.virtual_ranks[stage.index])
+        self.world.doing = f"copying the weights schedule {name!r} places on other ranks (schedule='auto')"
+        recut.move_weights(self.pipeline, self.graph.units, owners, holders, self.stage)
 
     # -- weights -------------------------------------------------------------------------
 
     def owner_of(self, unit: str) -> int:
         """The rank of the first stage holding ``unit``'s weights (it answers for them: saving, ``get_weights``)."""
         return self.virtual_ranks[min(s.index for s in self.cut.stages if unit in s.units)]
+
+    def own_layers(self) -> list:
+        """The layers (units) whose weights this rank holds, in the cut's order."""
+        return [self.graph.units[unit] for unit in self.stage_units()]
 
     def stage_units(self) -> list[str]:
         """The units whose weights this rank holds (its chunks', in order, each once)."""

@@ -247,13 +247,18 @@ class ModelBuilder:
             spec = None if input_shape is None else shapes_to_specs(input_shape, self.call_dtypes)
             self.build_graph(spec)
         self.engine.frozen = not self.model.trainable  # (the layers' own flags are left as they are, as Keras does)
-        own = self.engine.build(self.source, self.first_batch_size, release=release)
-        self.model._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
-        self.model._stage_layers.extend(own)
+        self.engine.build(self.source, self.first_batch_size, release=release)
+        self.follow_engine()
         self.model.built = True
         if release:
             _weights.copy_between_holders(self.engine)
             _weights.copy_from_first_replica(self.engine)
+
+    def follow_engine(self) -> None:
+        """``model._stage_layers``: the layers whose weights this rank holds (after building, and after
+        ``schedule="auto"`` picked a schedule that cuts the model otherwise)."""
+        self.model._stage_layers.clear()  # (in place: Keras tracks the list, and untracks what leaves it)
+        self.model._stage_layers.extend(self.engine.own_layers())
 
     def check_quantize(self) -> None:
         """Refuses ``model.quantize`` with several stages: each rank holds only its stage's weights."""

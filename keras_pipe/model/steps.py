@@ -72,9 +72,12 @@ class ModelSteps:
             )
         y, sample_weight = engine.predictions.exchange_targets(y, sample_weight, batch_size, engine.chunks)
         optimizer = model.optimizer
+        loss = self.microbatch_loss(y)
+        if phase == "train" and engine.picking():  # (schedule="auto": its candidates timed on this first batch)
+            engine.pick_schedule(flat_x, batch_size, y, sample_weight, loss, optimizer)
+            self.builder.follow_engine()
         if phase == "train" and optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        loss = self.microbatch_loss(y)
         loss_part, terms, flat = engine.run(phase, flat_x, batch_size, y, sample_weight, loss, optimizer)
         self.last_logs = self.logs.step_logs(phase, loss_part, terms, batch_size, y, flat, sample_weight)
         return self.last_logs

@@ -136,11 +136,12 @@ def _theoretical_bubble(engine, m: int) -> tuple[float, str]:
     p, v = engine.num_stages, engine.num_chunks
     if v == 1:
         return (p - 1) / (m + p - 1), "(P - 1) / (m + P - 1)"
-    if engine.schedule == "interleaved-1f1b":
+    name = engine.actions.training_schedule()  # ("auto": the schedule it picked, ZB-V among them)
+    if name == "interleaved-1f1b":
         return (p - 1) / (v * m + p - 1), "(P - 1) / (v m + P - 1)"
     from keras_pipe.schedules import schedule, simulator
 
-    plan = schedule.make_schedule(engine.schedule, p, m, True, num_chunks=v)
+    plan = schedule.make_schedule(name, p, m, True, num_chunks=v)
     return simulator.bubble(plan, simulator.DURATIONS, engine.placement), "the simulator's, F = I = W"
 
 

@@ -7,14 +7,22 @@ pays it ``m`` times and makes smaller matrix products; which of the two
 wins depends on the model, the micro-batch size and the machine (the
 figures in issue 21: at batch 256 ZB-H1 simulates the smaller bubble and
 trains at 0.78x 1F1B's speed). So ``"auto"`` measures instead of guessing:
-its first training steps run the candidates in turn (every step trains,
-and every schedule gives the same result to round-off), then every rank
-takes the schedule whose median timed step was fastest, from the same
-numbers (each step's time is its slowest rank's), so all ranks agree.
+its first training step times the candidates on its batch (warm-up steps,
+then timed steps of each in turn), then every rank takes the schedule whose
+median timed step was fastest, from the same numbers (each step's time is
+its slowest rank's), so all ranks agree. None of the timing steps trains:
+each updates a copy of the optimizer, and every weight is put back before
+the batch's real step (``keras_pipe.engine.recut``).
 
 The candidates are ``"1f1b"`` and ``"zb-h1"``, both at 1F1B's activation
-memory. ``"gpipe"`` is not one: its bubble is 1F1B's and it holds every
-micro-batch's activations.
+memory, and ``"zb-v"``: two chunks a rank placed in a V, so another cut of
+the model, which the engine builds beside the first for the timing (each
+rank holds up to both cuts' weights for that step) and keeps if picked.
+ZB-V is left out where the model is not the engine's to cut into ``2P``
+virtual stages (``balance`` or ``split_before`` given, fewer layers than
+``2P``), and ``summary()`` says why. ``"gpipe"`` is not one: its bubble is
+1F1B's and it holds every micro-batch's activations; nor is
+``"interleaved-1f1b"``, whose rounds need ``m`` a multiple of ``P``.
 
 ``num_microbatches="auto"`` times the numbers of micro-batches too
 (:func:`microbatch_candidates`: ``P``, ``2P`` and ``4P``): fewer, wider
@@ -88,14 +96,36 @@ class SchedulePicker:
             self._choices = {name: (name, counts[0]) for name in candidates}
         else:
             self._choices = {f"{name} m={m}": (name, m) for name in candidates for m in counts}
-        self.candidates = tuple(self._choices)
-        self._warmup = warmup * len(self.candidates)
-        self._plan = list(self.candidates) * (warmup + timed)
-        self._step = 0
+        self._rounds = (warmup, timed)
+        self.dropped: dict[str, str] = {}  # a schedule left out, and why (engine: ZB-V where the model has no V cut)
+        self._plan_rounds()
         self.times: dict[str, list[float]] = {name: [] for name in self.candidates}
         self.typical: dict[str, float] = {}
         # One stage has no bubble to fill: 1F1B's order is the forward and backward of each micro-batch.
         self.picked: str | None = self.candidates[0] if num_stages == 1 else None
+
+    def _plan_rounds(self) -> None:
+        warmup, timed = self._rounds
+        self.candidates = tuple(self._choices)
+        self._warmup = warmup * len(self.candidates)
+        self._plan = list(self.candidates) * (warmup + timed)
+        self._step = 0
+
+    def schedules(self) -> tuple[str, ...]:
+        """The candidates' schedules, each once, in order."""
+        return tuple(dict.fromkeys(name for name, _ in self._choices.values()))
+
+    def drop(self, name: str, why: str) -> None:
+        """Leaves schedule ``name`` out of the candidates (before any is timed), saying ``why`` in :meth:`describe`.
+
+        >>> picker = SchedulePicker(2, 4, candidates=("1f1b", "zb-v"))
+        >>> picker.drop("zb-v", "no V cut"); picker.candidates
+        ('1f1b',)
+        """
+        self._choices = {key: choice for key, choice in self._choices.items() if choice[0] != name}
+        self.times = {key: times for key, times in self.times.items() if key in self._choices}
+        self.dropped[name] = why
+        self._plan_rounds()
 
     def current(self) -> str:
         """The schedule the next training step runs."""
@@ -136,7 +166,7 @@ class SchedulePicker:
         if self.picked is None:
             *others, last = self.candidates
             timing = f"{', '.join(others)} and {last}" if others else last
-            return f"auto: not picked yet (the next {self.steps_left()} training steps time {timing})"
+            return f"auto: not picked yet (the first training step times {timing}{self._left_out()})"
         name, m = self._choices[self.picked]
         bubble = simulated_bubble(name, self.num_stages, m)
         if not self.typical:
@@ -144,10 +174,15 @@ class SchedulePicker:
         others = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in self.typical.items() if name != self.picked)
         return (
             f"auto: {self.picked} (median step {1e3 * self.typical[self.picked]:.1f} ms against {others}; "
-            f"simulated bubble {100 * bubble:.1f}%)"
+            f"simulated bubble {100 * bubble:.1f}%{self._left_out()})"
         )
+
+    def _left_out(self) -> str:
+        return "".join(f"; {name} not timed: {why}" for name, why in self.dropped.items())
 
 
 def simulated_bubble(name: str, num_stages: int, num_microbatches: int) -> float:
     """The idle share of the stages' time on the simulator's clock (F, I and W a tick each)."""
-    return bubble(schedule.make_schedule(name, num_stages, num_microbatches, split_backward=True), DURATIONS)
+    chunks = schedule.default_chunks(name)
+    plan = schedule.make_schedule(name, num_stages, num_microbatches, split_backward=True, num_chunks=chunks)
+    return bubble(plan, DURATIONS, schedule.placement(name, num_stages, chunks))

@@ -157,6 +157,11 @@ class StageCompute:
         self.jit, self.eager, self.frozen = jit, eager, frozen
         self._prepare()  # (after model.trainable = False, say: Keras asks for compile() again)
 
+    def forget_optimizer(self, optimizer) -> None:
+        """Drops the programs that update with ``optimizer`` (``schedule="auto"``'s timing copy), which they hold."""
+        self._programs = {k: p for k, p in self._programs.items() if not _names(k, id(optimizer))}
+        self._update.forget_optimizer(optimizer)
+
     @property
     def draws_random(self) -> bool:
         """Whether the stage's layers hold random generators (dropout, noise, random augmentation)."""
@@ -439,3 +444,8 @@ def _unique(items) -> list:
             seen.add(id(item))
             result.append(item)
     return result
+
+
+def _names(key, number: int) -> bool:
+    """Whether a program's key (a name, or a tuple of names and ids) holds ``number``."""
+    return isinstance(key, tuple) and any(part == number or _names(part, number) for part in key)

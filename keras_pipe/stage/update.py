@@ -136,6 +136,11 @@ class StageUpdate:
         self._updates[key] = self._program(key, weights_and_update)
         return self._updates[key]
 
+    def forget_optimizer(self, optimizer) -> None:
+        """Forgets how ``optimizer``'s update is cut and its programs (the stage's ``forget_optimizer``)."""
+        self._groups.pop(id(optimizer), None)
+        self._updates = {key: program for key, program in self._updates.items() if key[1] != id(optimizer)}
+
     def _update_groups(self, optimizer) -> list[tuple[list[int], list[int]]]:
         """How the step's last ``W`` and the update are cut into programs: (weighted steps, variables) per program.
 

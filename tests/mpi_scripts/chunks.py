@@ -19,7 +19,7 @@ import tempfile
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, compile_args, data, split_layers, trained_on_rank_0
+from common import RANK, SIZE, assert_close, compile_args, data, forced_pick, split_layers, trained_on_rank_0
 
 import keras_pipe
 from keras_pipe import PipelineConfigError, PipelineModel
@@ -70,6 +70,26 @@ def equivalence():
             equal(what, model, history, expected)
             assert_close(model.evaluate(x_test, y_test, verbose=0), expected["evaluate"], f"{what} evaluate")
             assert_close(model.predict(x_test, verbose=0), expected["predict"], f"{what} predict")
+        # schedule="auto" times 1F1B and ZB-H1 on one stage a rank and ZB-V on its V of 2P virtual stages (the
+        # weights that place elsewhere copied there), none of it training; whichever it takes trains as Sequential:
+        # ZB-V (the V kept, one stage a rank freed), ZB-H1 (back to one stage a rank), and its own pick
+        for forced in ("zb-v", "zb-h1", None):
+            with forced_pick(forced):
+                model = PipelineModel(chain(), num_microbatches=4, schedule="auto")
+                model.set_weights(initial)
+                model.compile(**compile_args())
+                history = model.fit(x, y, sample_weight=sw, **fit_args).history
+            picker = model.engine.picker
+            what = f"P={SIZE} {chain.__name__} auto, picked {picker.picked} (forced {forced})"
+            assert forced in (None, picker.picked) and picker.schedules() == ("1f1b", "zb-h1", "zb-v"), what
+            assert len(model.engine.chunks) == (2 if picker.picked == "zb-v" else 1), what
+            assert len(set(model.engine.world.allgather_json(picker.picked))) == 1, (what, "ranks picked apart")
+            held = {v.path for v in model.weights}  # (Keras' own list: the layers this rank holds, no other)
+            assert held == {v.path for layer in model.engine.own_layers() for v in layer.weights}, what
+            equal(what, model, history, expected)
+            assert_close(model.evaluate(x_test, y_test, verbose=0), expected["evaluate"], f"{what} evaluate")
+            assert_close(model.predict(x_test, verbose=0), expected["predict"], f"{what} predict")
+            print(f"rank {RANK}: {what}: {picker.describe()}", flush=True) if RANK == 0 else None
 
 
 def features():

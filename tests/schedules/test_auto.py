@@ -66,10 +66,21 @@ def test_one_stage_has_nothing_to_pick():
     assert picker.describe() == "auto: 1f1b (one stage; simulated bubble 0.0%)"
 
 
-def test_before_the_pick_the_summary_says_how_many_steps_are_left():
+def test_before_the_pick_the_summary_says_what_the_first_training_step_times():
     picker = SchedulePicker(num_stages=2, num_microbatches=4)
     picker.record(1.0)
-    assert picker.describe() == "auto: not picked yet (the next 9 training steps time 1f1b and zb-h1)"
+    assert picker.describe() == "auto: not picked yet (the first training step times 1f1b and zb-h1)"
+
+
+def test_a_schedule_left_out_is_said_with_its_reason_and_never_timed():
+    picker = SchedulePicker(num_stages=2, num_microbatches=4, candidates=("1f1b", "zb-h1", "zb-v"), warmup=0, timed=1)
+    picker.drop("zb-v", "balance or split_before give one stage a rank")
+    assert picker.candidates == ("1f1b", "zb-h1") and picker.schedules() == ("1f1b", "zb-h1")
+    assert picker.steps_left() == 2 and "zb-v" not in picker.times
+    picker.record(0.002)
+    assert picker.record(0.001)
+    assert picker.decide([picker.times]) == "zb-h1"
+    assert picker.describe().endswith("; zb-v not timed: balance or split_before give one stage a rank)")
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (3, 12)])
@@ -112,6 +123,6 @@ def test_a_fixed_schedule_with_auto_micro_batches_times_its_numbers_alone():
     picker = SchedulePicker(num_stages=4, num_microbatches=None, candidates=("zb-v",), microbatch_counts=(4, 8, 16))
     assert picker.candidates == ("zb-v m=4", "zb-v m=8", "zb-v m=16")
     assert picker.describe() == (
-        "auto: not picked yet (the next 15 training steps time zb-v m=4, zb-v m=8 and zb-v m=16)"
+        "auto: not picked yet (the first training step times zb-v m=4, zb-v m=8 and zb-v m=16)"
     )
     assert SchedulePicker(1, None, microbatch_counts=auto.microbatch_candidates(1)).microbatches() == 1
