@@ -514,6 +514,7 @@ class Engine:
         hold them; the cut not picked is freed.
         """
         picker = self.picker
+        tracer, self.tracer = self._tracer, None  # (a timeline sees the batch's real step, not the timing)
         if optimizer is not None and optimizer.built and self._times_v():
             # (built on this cut's variables already: a restored optimizer state; the same on every rank)
             picker.drop("zb-v", "the optimizer was built before the first training step, on one stage a rank")
@@ -545,6 +546,7 @@ class Engine:
         for copy in (c for c in copies.values() if c is not None):  # (their programs: the user's traces its own)
             for chunk in self.chunks:
                 chunk.compute.forget_optimizer(copy)
+        self.tracer = tracer
 
     def _units_of(self, state: dict) -> list[str]:
         """The units a rank holds under another placement's ``state`` (:data:`keras_pipe.engine.recut.PLACED`)."""
