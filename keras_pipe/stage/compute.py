@@ -159,7 +159,8 @@ class StageCompute:
 
     def forget_optimizer(self, optimizer) -> None:
         """Drops the programs that update with ``optimizer`` (``schedule="auto"``'s timing copy), which they hold."""
-        self._programs = {k: p for k, p in self._programs.items() if not _names(k, id(optimizer))}
+        # (a program's key is a name, or a flat tuple of a name and ids: the optimizer's, where it updates with it)
+        self._programs = {k: p for k, p in self._programs.items() if not (isinstance(k, tuple) and id(optimizer) in k)}
         self._update.forget_optimizer(optimizer)
 
     @property
@@ -444,8 +445,3 @@ def _unique(items) -> list:
             seen.add(id(item))
             result.append(item)
     return result
-
-
-def _names(key, number: int) -> bool:
-    """Whether a program's key (a name, or a tuple of names and ids) holds ``number``."""
-    return isinstance(key, tuple) and any(part == number or _names(part, number) for part in key)
