@@ -554,9 +554,11 @@ class Engine:
         return list(dict.fromkeys(units))
 
     def _switch(self, name: str) -> None:
-        """Makes schedule ``name``'s placement this engine's; built the first time (collective then: the
-        weights it places elsewhere travel from the ranks that hold them)."""
-        chunks = 2 if name == "zb-v" else 1
+        """Makes schedule ``name``'s placement this engine's. The one-stage-a-rank cut is the one built first;
+        ZB-V's V is built the first time (collective then: the weights it places elsewhere travel from the
+        ranks that hold them)."""
+        # (a fixed schedule timing its m alone: its own chunks, this placement; "auto"'s candidates: their defaults)
+        chunks = self.options.num_chunks if name == self.schedule else schedule.default_chunks(name)
         key = recut.key_of(schedule.placement(name, self.num_stages, chunks))
         current = recut.key_of(self.placement)
         if key == current:
@@ -570,7 +572,7 @@ class Engine:
         owners = {unit: self.owner_of(unit) for unit in self.graph.units}
         self._place(name, chunks)
         self.masks = None
-        sizes = self._v_sizes(self.graph) if chunks == 2 else self._sizes(self.graph, self.num_stages, 32)
+        sizes = self._v_sizes(self.graph)
         self._finish_build(self.graph, cuts.cut(self.graph.plain, sizes), sizes, release=False)
         holders = {unit: set() for unit in self.graph.units}
         for stage in self.cut.stages:

@@ -90,6 +90,14 @@ def equivalence():
             assert_close(model.evaluate(x_test, y_test, verbose=0), expected["evaluate"], f"{what} evaluate")
             assert_close(model.predict(x_test, verbose=0), expected["predict"], f"{what} predict")
             print(f"rank {RANK}: {what}: {picker.describe()}", flush=True) if RANK == 0 else None
+        # a chunked schedule given, its m timed (num_microbatches="auto"): the timing stays on its own placement
+        model = PipelineModel(chain(), num_microbatches="auto", schedule="interleaved-1f1b", num_chunks=3)
+        model.set_weights(initial)
+        model.compile(**compile_args())
+        history = model.fit(x, y, sample_weight=sw, **fit_args).history
+        what = f"P={SIZE} {chain.__name__} interleaved-1f1b v=3 m=auto, picked {model.engine.picker.picked}"
+        assert len(model.engine.chunks) == 3 and model.engine.num_chunks == 3, what
+        equal(what, model, history, expected)
 
 
 def features():
