@@ -2,8 +2,10 @@
 
 ``mpi_scripts/fine_tuning.py`` on 1, 2 and 4 ranks: a frozen composite layer with a trainable child, LoRA at every
 depth (and on int8-quantized layers), Keras' transfer-learning guide in both its forms, keras_hub's
-``backbone.enable_lora``, and a keras_hub preset opened inside ``keras_pipe.unallocated()``, each rank reading its
-own stage's weights. Each case trains the unsplit model on rank 0 and the pipeline from the same weights.
+``backbone.enable_lora`` (also under ``schedule="auto"`` cutting the model again for ZB-V), a tied embedding on two
+ranks of an unseeded script created unallocated, and a keras_hub preset opened inside ``keras_pipe.unallocated()``,
+each rank reading its own stage's weights. Each case trains the unsplit model on rank 0 and the pipeline from the
+same weights.
 """
 
 import pytest
@@ -11,8 +13,19 @@ from mpi import require_keras_hub, run_mpi
 
 CASES = {
     1: ["child", "lora", "guide_subclassed", "guide_unallocated", "preset"],
-    2: ["child", "lora", "qlora", "guide", "guide_subclassed", "guide_unallocated", "llama_lora", "preset"],
-    4: ["child", "lora", "guide", "guide_unallocated", "llama_lora", "preset"],
+    2: [
+        "child",
+        "lora",
+        "qlora",
+        "guide",
+        "guide_subclassed",
+        "guide_unallocated",
+        "llama_lora",
+        "llama_lora_auto",
+        "unseeded_shared",
+        "preset",
+    ],
+    4: ["child", "lora", "guide", "guide_unallocated", "llama_lora", "unseeded_shared", "preset"],
 }
 
 

@@ -573,13 +573,16 @@ class Engine:
         self._place(name, chunks)
         self.masks = None
         sizes = self._v_sizes(self.graph)
-        self._finish_build(self.graph, cuts.cut(self.graph.plain, sizes), sizes, release=False)
+        the_cut = cuts.cut(self.graph.plain, sizes)
         holders = {unit: set() for unit in self.graph.units}
-        for stage in self.cut.stages:
+        for stage in the_cut.stages:
             for unit in stage.units:
                 holders[unit].add(self.virtual_ranks[stage.index])
+        # (before the chunks are built: a chunk takes its frozen and non-trainable variables' tf.Variable, which a
+        # weight released here only has once it arrives)
         self.world.doing = f"copying the weights schedule {name!r} places on other ranks (schedule='auto')"
         recut.move_weights(self.pipeline, self.graph.units, owners, holders, self.stage)
+        self._finish_build(self.graph, the_cut, sizes, release=False)
 
     # -- weights -------------------------------------------------------------------------
 

@@ -92,9 +92,6 @@ def move_weights(pipeline, units: dict, owners: dict, holders: dict, stage: int)
         if not receivers:
             continue
         for variable in layer.variables:
-            if variable is None:  # DEBUG
-                print("NONE", unit, type(layer).__name__, stage, flush=True)
-                continue
             if stage == owner:
                 array = np.asarray(variable.numpy())
             else:

@@ -101,7 +101,13 @@ def copy_from_first_replica(engine, optimizer=None) -> None:
 
 
 def copy_between_holders(engine) -> None:
-    """A weight several stages hold starts alike on each: the first holder's value (collective over the pipeline)."""
+    """A weight several stages hold starts alike on each: the first holder's value (collective over the pipeline).
+
+    ``cut.shared`` names the virtual stages holding a unit; with several
+    chunks a rank those are not the ranks (interleaved 1F1B on 2 ranks puts
+    virtual stage 3 on rank 1), so they are mapped to ranks first. Where one
+    rank holds every copy (ZB-V's first and last chunk) nothing travels.
+    """
     shared = engine.cut.shared
     if not shared or engine.num_stages == 1:
         return
@@ -109,14 +115,16 @@ def copy_between_holders(engine) -> None:
         unit = _unit_of(engine, variable)
         if unit not in shared:
             continue
-        holders = shared[unit]
+        ranks = {engine.virtual_ranks[k] for k in shared[unit]}  # (owner is among them: the first holder's rank)
+        if ranks == {owner}:
+            continue
         array = (
             np.asarray(variable.numpy())
             if engine.stage == owner
             else np.empty(tuple(variable.shape), np.dtype(variable.dtype))
         )
         array = engine.pipeline.bcast_array(array, root=owner)
-        if here and engine.stage != owner and engine.stage in holders:
+        if here and engine.stage != owner and engine.stage in ranks:
             variable.assign(array)
 
 

@@ -4,24 +4,26 @@ Run as ``mpirun -n P python fine_tuning.py [CASE ...]``; prints ``FINE-TUNING OK
 Cases (AdamW, 4 micro-batches unless said):
 
 ``child``: a composite layer (a ``Layer`` whose ``call()`` runs two ``Dense``) frozen, then one of its children
-unfrozen (``block.trainable = False; block.a.trainable = True``): Keras trains the child, as it decides
-trainability per variable. ``lora``: every layer frozen, then LoRA enabled at every depth, as keras_hub's
-``Backbone.enable_lora`` does it (the target unfrozen, then ``enable_lora``): on an ``Embedding`` and a
-``Dense`` at the top and on an ``EinsumDense`` and a ``Dense`` inside a frozen composite layer; under 1F1B and
-under ZB-H1 (the split backward's batched ``W`` takes the LoRA kernels). ``qlora``: the same after
-``quantize("int8")``. ``guide``: Keras' transfer-learning guide, its two phases: ``base.trainable = False``,
-``base(x, training=False)``, a new head, fit; then ``base.trainable = True``, ``compile()`` with a small rate, fit
-again (one micro-batch: Keras 3's ``fit`` gives the nested call ``training=True`` in the second phase, so batch
-normalization normalises with the batch's statistics, which micro-batches would split; with several, every
-rank warns at that ``compile()``). ``guide_subclassed``: the same written as a subclassed model whose ``call()``
-passes ``training=False`` to the backbone: Keras keeps a caller's argument there, so the backbone stays in
-inference mode in both phases, on 4 micro-batches. ``guide_unallocated``: the guide's model created inside
-``keras_pipe.unallocated()``, its weights loaded from a file (each rank reading its own) and its base frozen
-before the pipeline allocates it, then unfrozen: it trains. ``llama_lora``: keras_hub's ``LlamaCausalLM`` with
-``backbone.enable_lora(4)``. ``preset``: a ``LlamaCausalLM`` saved with ``save_to_preset`` (rank 0), opened with
-``from_preset`` inside ``keras_pipe.unallocated()`` and pipelined: each rank reads only its own stage's weights
-from the file, and predicts what the preset model predicts; ``generate()`` is refused on every rank, naming the
-route that works.
+unfrozen (``block.trainable = False; block.a.trainable = True``): Keras trains the child, as it decides trainability
+per variable. ``lora``: every layer frozen, then LoRA enabled at every depth, as keras_hub's
+``Backbone.enable_lora`` does it (the target unfrozen, then ``enable_lora``): on an ``Embedding`` and a ``Dense`` at
+the top and on an ``EinsumDense`` and a ``Dense`` inside a frozen composite layer; under 1F1B and under ZB-H1 (the
+split backward's batched ``W`` takes the LoRA kernels). ``qlora``: the same after ``quantize("int8")``. ``guide``:
+Keras' transfer-learning guide, its two phases: ``base.trainable = False``, ``base(x, training=False)``, a new head,
+fit; then ``base.trainable = True``, ``compile()`` with a small rate, fit again (one micro-batch: Keras 3's ``fit``
+gives the nested call ``training=True`` in the second phase, so batch normalization normalises with the batch's
+statistics, which micro-batches would split; with several, every rank warns at that ``compile()``).
+``guide_subclassed``: the same written as a subclassed model whose ``call()`` passes ``training=False`` to the
+backbone: Keras keeps a caller's argument there, so the backbone stays in inference mode in both phases, on 4
+micro-batches. ``guide_unallocated``: the guide's model created inside ``keras_pipe.unallocated()``, its weights
+loaded from a file (each rank reading its own) and its base frozen before the pipeline allocates it, then unfrozen:
+it trains. ``llama_lora``: keras_hub's ``LlamaCausalLM`` with ``backbone.enable_lora(4)``; ``llama_lora_auto``: the
+same under ``schedule="auto"`` taking ZB-V, which cuts the model again after the first step's timing (2 ranks).
+``unseeded_shared``: each rank its own seed, the model created inside ``keras_pipe.unallocated()`` and pipelined
+with interleaved 1F1B, its embedding held by two ranks. ``preset``: a ``LlamaCausalLM`` saved with
+``save_to_preset`` (rank 0), opened with ``from_preset`` inside ``keras_pipe.unallocated()`` and pipelined: each
+rank reads only its own stage's weights from the file, and predicts what the preset model predicts; ``generate()``
+is refused on every rank, naming the route that works.
 """
 
 import os
@@ -31,7 +33,7 @@ import warnings
 
 import keras
 import numpy as np
-from common import RANK, SIZE, assert_close, on_rank_0, tiny_llama  # (of VOCAB = 40 tokens)
+from common import RANK, SIZE, assert_close, forced_pick, on_rank_0, tiny_llama  # (of VOCAB = 40 tokens)
 from mpi4py import MPI
 
 import keras_pipe
@@ -381,6 +383,66 @@ def _names(group) -> list:
     return names
 
 
+def llama_lora_auto(case):
+    """``backbone.enable_lora`` under ``schedule="auto"`` taking ZB-V: the first step's timing holds both cuts, then
+    the model is cut again and every chunk decides trainability per variable as Keras does: the LoRA kernels train
+    (with ZB-V's split backward), the frozen kernels stay, and training equals the unsplit model's."""
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    with forced_pick("zb-v"):
+        model, reference = compare(
+            case,
+            tiny_llama,
+            lambda m: m.backbone.enable_lora(4),
+            [(keep, lm_compile)],
+            x,
+            shifted(tokens),
+            tolerance=(5e-5, 1e-5),
+            schedule="auto",
+            num_microbatches=4,
+        )
+    picker = model.engine.picker
+    assert picker.picked == "zb-v" and len(model.engine.chunks) == 2, picker.describe()
+    mine = {v.path for v in model.engine.trainable_variables}
+    assert mine and all("lora" in p for p in mine), mine
+
+
+def unseeded_shared(case):
+    """An unseeded script (each rank its own initial values) creating keras_hub's ``LlamaCausalLM`` inside
+    ``keras_pipe.unallocated()``, pipelined with interleaved 1F1B: the token embedding is on the first and the last
+    virtual stage, which are on two ranks. Both copies start from the first holder's values (they did not: rank
+    ``P - 1`` kept its own, so the two uses of one weight differed), and training equals the unsplit model started
+    from the pipeline's ``get_weights()``."""
+    keras.utils.set_random_seed(100 + RANK)
+    with keras_pipe.unallocated():
+        lm = tiny_llama()
+    model = PipelineModel.from_model(lm, schedule="interleaved-1f1b", num_microbatches=4)
+    embedding = lm.backbone.token_embedding
+    held = [None if keras_pipe.compat.unallocated(v) else np.array(v.numpy()) for v in embedding.weights]
+    copies = [values for values in MPI.COMM_WORLD.allgather(held) if values[0] is not None]
+    assert len(copies) == 2, f"the embedding is held by {len(copies)} ranks"
+    for values in copies[1:]:
+        for a, b, variable in zip(values, copies[0], embedding.weights):
+            assert_close(a, b, f"{case}: {variable.path} on its two holders", 0, 0)
+    initial = model.get_weights()
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    y = shifted(tokens)
+
+    def run():
+        reference = tiny_llama()
+        reference.set_weights(initial)
+        reference.compile(**lm_compile())
+        history = reference.fit(x, y, **FIT).history
+        return history, reference.get_weights()
+
+    want_history, want_weights = on_rank_0(run)
+    model.compile(**lm_compile())
+    history = model.fit(x, y, **FIT).history
+    for key in want_history:
+        assert_close(history[key], want_history[key], f"{case} history {key}", 5e-5, 1e-5)
+    for i, (a, b) in enumerate(zip(model.get_weights(), want_weights)):
+        assert_close(a, b, f"{case} weight {i}", 2.5e-4, 1.5e-4)
+
+
 def preset(case):
     import keras_hub
 
@@ -425,6 +487,8 @@ CASES = dict(
     guide_subclassed=guide_subclassed,
     guide_unallocated=guide_unallocated,
     llama_lora=llama_lora,
+    llama_lora_auto=llama_lora_auto,
+    unseeded_shared=unseeded_shared,
     preset=preset,
 )
 
