@@ -218,18 +218,22 @@ def errors():
 
 def replicas():
     """Virtual stages with replicas (issue 49): two pipelines of SIZE / 2 ranks, each with two chunks a rank;
-    every replica's gradients of every chunk summed before the one update, with Adam and global_clipnorm."""
+    every replica's gradients of every chunk summed before the one update, with Adam and global_clipnorm. And
+    ``schedule="auto"`` taking ZB-V with replicas: each pipeline cuts its model again after the timing, the
+    weights moving within it, and the replicas stay alike."""
 
     def clipped():
         return {**compile_args(), "optimizer": keras.optimizers.Adam(1e-2, global_clipnorm=1.0)}
 
     for compiled in (compile_args, clipped):
         initial, expected = reference(split_layers, compiled(), TRAIN)
-        for schedule, m in (("zb-v", 4), ("interleaved-1f1b", SIZE)):
-            model = PipelineModel(split_layers(), num_microbatches=m, schedule=schedule, num_stages=SIZE // 2)
-            model.set_weights(initial)
-            model.compile(**compiled())
-            history = model.fit(x, y, sample_weight=sw, **fit_args).history
+        runs = (("zb-v", 4), ("interleaved-1f1b", SIZE)) + ((("auto", 4),) if compiled is clipped else ())
+        for schedule, m in runs:
+            with forced_pick("zb-v" if schedule == "auto" else None):
+                model = PipelineModel(split_layers(), num_microbatches=m, schedule=schedule, num_stages=SIZE // 2)
+                model.set_weights(initial)
+                model.compile(**compiled())
+                history = model.fit(x, y, sample_weight=sw, **fit_args).history
             what = f"P={SIZE // 2} x 2 replicas {schedule} {compiled.__name__}"
             assert model.num_replicas == 2 and len(model.engine.chunks) == 2, what
             equal(what, model, history, expected)
