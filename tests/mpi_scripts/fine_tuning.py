@@ -316,9 +316,10 @@ def shifted(ids):
     return np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), ids.dtype)], axis=1)
 
 
-def llama_lora(case):
+def compare_llama_lora(case, **pipeline_args):
+    """keras_hub's ``LlamaCausalLM`` with ``backbone.enable_lora(4)``, pipelined, against the unsplit model."""
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
-    model, reference = compare(
+    return compare(
         case,
         tiny_llama,
         lambda m: m.backbone.enable_lora(4),
@@ -327,7 +328,13 @@ def llama_lora(case):
         shifted(tokens),
         tolerance=(5e-5, 1e-5),
         num_microbatches=4,
+        **pipeline_args,
     )
+
+
+def llama_lora(case):
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    model, reference = compare_llama_lora(case)
     trained = [v.path for v in reference.trainable_variables]
     assert trained and all("lora" in p for p in trained), trained
     # the LoRA kernels of every stage, in keras_hub's own file: written by rank 0, read by each rank for its stage
@@ -387,19 +394,8 @@ def llama_lora_auto(case):
     """``backbone.enable_lora`` under ``schedule="auto"`` taking ZB-V: the first step's timing holds both cuts, then
     the model is cut again and every chunk decides trainability per variable as Keras does: the LoRA kernels train
     (with ZB-V's split backward), the frozen kernels stay, and training equals the unsplit model's."""
-    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
     with forced_pick("zb-v"):
-        model, reference = compare(
-            case,
-            tiny_llama,
-            lambda m: m.backbone.enable_lora(4),
-            [(keep, lm_compile)],
-            x,
-            shifted(tokens),
-            tolerance=(5e-5, 1e-5),
-            schedule="auto",
-            num_microbatches=4,
-        )
+        model, _ = compare_llama_lora(case, schedule="auto")
     picker = model.engine.picker
     assert picker.picked == "zb-v" and len(model.engine.chunks) == 2, picker.describe()
     mine = {v.path for v in model.engine.trainable_variables}
