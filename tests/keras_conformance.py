@@ -40,7 +40,8 @@ the test modules look up are substituted once they are imported.
   several (a failure part way through a collective call would leave the
   ranks out of step).
 
-Run by ``tests/test_keras_conformance.py``.
+Run by ``tests/test_keras_conformance.py``. With ``KERAS_PIPE_CONFORMANCE_SCHEDULE`` set (``auto``, ``zb-v``, ...)
+every pipeline the tests make takes that schedule where the test names none.
 """
 
 from __future__ import annotations
@@ -431,9 +432,26 @@ def test_id(item) -> str:
     return f"{Path(item.fspath).name}::{item.cls.__name__}::{item.name}" if item.cls else item.nodeid
 
 
+def _default_schedule() -> None:
+    """``KERAS_PIPE_CONFORMANCE_SCHEDULE=auto`` (or another schedule): every pipeline the tests make takes it
+    where the test names none, as a user's ``schedule=`` would (not in the suite's own runs: see
+    ``docs/testing.md``)."""
+    name = os.environ.get("KERAS_PIPE_CONFORMANCE_SCHEDULE")
+    if not name:
+        return
+    init = PipelineModel.__init__
+
+    def with_schedule(self, *args, **kwargs):
+        kwargs.setdefault("schedule", name)
+        init(self, *args, **kwargs)
+
+    PipelineModel.__init__ = with_schedule
+
+
 def pytest_configure(config):
     _stub_jax()
     _substitute()
+    _default_schedule()
     _shared_temp_dir()
     config.addinivalue_line("markers", "requires_trainable_backend: Keras' own marker")
     xmlpath = getattr(config.option, "xmlpath", None)
