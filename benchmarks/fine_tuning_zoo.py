@@ -2,6 +2,7 @@
 
     python benchmarks/fine_tuning_zoo.py --ranks 2 4 --markdown docs/fine_tuning_zoo.md
     python benchmarks/fine_tuning_zoo.py --ranks 2 --families Llama ViT --workflows lora guide
+    python benchmarks/fine_tuning_zoo.py --ranks 2 --schedule auto --families Llama Gemma ViT
 
 The models are :mod:`hub_zoo`'s tiny ones, built from constructor arguments: Llama, Gemma, a BERT classifier,
 ViT, T5 and a keras.applications MobileNetV2 (``weights=None``; nothing is downloaded). Each is first saved as a
@@ -19,6 +20,8 @@ Each workflow trains the unsplit model (rank 0, ``jit_compile=False``) and the p
 from the same weights: AdamW(1e-3), 2 epochs of 2 batches of 8 rows. MATCH where the losses agree within 1e-5
 relative and the weights and predictions within 1e-4; WARNED where they differ and every rank warned why (batch
 normalization's statistics per micro-batch); DIFF otherwise; REFUSED where every rank raised the same error.
+``--schedule`` pipelines with that schedule (default 1F1B); with ``auto`` each row says which one the first
+``fit()`` picked (ZB-V cuts the model again after its timing steps).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def compile_args(rate, family=None):
     )
 
 
-def run(family, workflow, directory, comm) -> dict:
+def run(family, workflow, directory, comm, schedule="1f1b") -> dict:
     """Every rank: the unsplit run on rank 0, the pipeline everywhere; rank 0's row."""
     import keras
     import numpy as np
@@ -162,7 +165,7 @@ def run(family, workflow, directory, comm) -> dict:
         rate = apply(workflow, model, backbone, 0)  # (LoRA before the pipeline is made: its weights are the model's)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pipeline = PipelineModel.from_model(model, num_microbatches=hub_zoo.MICRO)
+            pipeline = PipelineModel.from_model(model, num_microbatches=hub_zoo.MICRO, schedule=schedule)
             if workflow == "lora":  # (LoRA's new kernels, random: the unsplit model's, as every other weight)
                 pipeline.set_weights(reference.get_weights())
             opened = pipeline.predict(x, batch_size=hub_zoo.BATCH, verbose=0)
@@ -172,6 +175,8 @@ def run(family, workflow, directory, comm) -> dict:
                 pipeline.compile(**compile_args(rate, family))
                 histories.append(pipeline.fit(**fit).history)
             weights = pipeline.get_weights()
+            if pipeline.engine.picker is not None:
+                row["picked"] = pipeline.engine.picker.picked
             predict = pipeline.predict(x, batch_size=hub_zoo.BATCH, verbose=0)
         warned = [str(w.message)[:120] for w in caught if "differs from Sequential" in str(w.message)]
     except Exception as error:  # raised on every rank alike
@@ -231,7 +236,7 @@ def worker(args) -> None:
         directory = comm.bcast(tempfile.mkdtemp(prefix=f"ft_{family}_") if comm.Get_rank() == 0 else None, root=0)
         hub_zoo.on_rank_0(comm, lambda family=family, directory=directory: save_model(family, directory))
         for workflow in args.workflows:
-            row = run(family, workflow, directory, comm)
+            row = run(family, workflow, directory, comm, args.schedule)
             if comm.Get_rank() == 0:
                 print("ROW " + json.dumps(row), flush=True)
 
@@ -304,6 +309,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--update", default=None, help="a JSON of an earlier run: its other rows are kept")
+    parser.add_argument("--schedule", default="1f1b", help="the pipeline's schedule (auto: the row says its pick)")
     parser.add_argument("--worker", action="store_true")
     args = parser.parse_args()
     if args.worker:
@@ -320,7 +326,8 @@ def main() -> None:
         args.json = args.json or args.update
     for p in args.ranks:
         for family in args.families:
-            command = [mpirun, "-n", str(p), python, __file__, "--worker", "--families", family, "--workflows"]
+            command = [mpirun, "-n", str(p), python, __file__, "--worker", "--schedule", args.schedule]
+            command += ["--families", family, "--workflows"]
             command += args.workflows
             try:
                 out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
