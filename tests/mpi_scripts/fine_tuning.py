@@ -332,9 +332,9 @@ def compare_llama_lora(case, **pipeline_args):
     )
 
 
-def llama_lora(case):
-    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
-    model, reference = compare_llama_lora(case)
+def saved_lora(case, model, reference, x):
+    """What a trained LoRA pipeline writes (``save_lora_weights``, ``save_to_preset``, ``save``) is what Keras and
+    keras_hub write and read, and a new pipeline reads the ``.lora.h5`` file back."""
     trained = [v.path for v in reference.trainable_variables]
     assert trained and all("lora" in p for p in trained), trained
     # the LoRA kernels of every stage, in keras_hub's own file: written by rank 0, read by each rank for its stage
@@ -371,6 +371,12 @@ def llama_lora(case):
     loaded = PipelineModel.from_model(fresh, num_microbatches=4)
     loaded.load_lora_weights(mine)
     assert_close(loaded.predict(x, batch_size=16, verbose=0), predicted, case)
+
+
+def llama_lora(case):
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    model, reference = compare_llama_lora(case)
+    saved_lora(case, model, reference, x)
     # LoRA enabled on the model handed in after the pipeline was made: refused on every rank at compile()
     keras.utils.set_random_seed(11)
     handed_in = tiny_llama()
@@ -395,11 +401,12 @@ def llama_lora_auto(case):
     the model is cut again and every chunk decides trainability per variable as Keras does: the LoRA kernels train
     (with ZB-V's split backward), the frozen kernels stay, and training equals the unsplit model's."""
     with forced_pick("zb-v"):
-        model, _ = compare_llama_lora(case, schedule="auto")
+        model, reference = compare_llama_lora(case, schedule="auto")
     picker = model.engine.picker
     assert picker.picked == "zb-v" and len(model.engine.chunks) == 2, picker.describe()
     mine = {v.path for v in model.engine.trainable_variables}
     assert mine and all("lora" in p for p in mine), mine
+    saved_lora(case, model, reference, {"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
 
 
 def unseeded_shared(case):
