@@ -12,10 +12,11 @@ HUB = ["encoder", "decoder", "gpt2", "bert"]
 GRAPHS = ["skip", "multi", "dynamic", "resnet", "child", "partial"]
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 4])
+@pytest.mark.parametrize("nprocs", [2, 4])
 def test_keras_hub_models_equal_the_unsplit_model(nprocs):
     require_keras_hub()
-    # one rank: the encoder and decoder stacks (issue 19's masks, micro-batched); two ranks: BERT's
+    # (the one-rank launch of the encoder and decoder stacks was cut for the suite's time: four ranks run both,
+    # their masks micro-batched as in one process and crossing three boundaries besides) two ranks: BERT's
     # two Functional models (several inputs, two outputs with a loss each); four ranks: the masks
     # crossing three boundaries and GPT-2's tied embedding (GPT-2 on two ranks trains again in
     # test_saving.py, resumed there, equal to an uninterrupted run); two ranks also: the encoder and BERT
@@ -24,7 +25,6 @@ def test_keras_hub_models_equal_the_unsplit_model(nprocs):
     # two ranks, Llama (rotary, untied embeddings) and Mixtral (mixture of experts) on four; Llama and GPT-2 under
     # ZB-V and interleaved 1F1B (the embedding on the first and the last virtual stage) on two and four
     cases = {
-        1: ["encoder", "decoder"],
         2: ["bert", "chunked", "vit", "t5", "shared_chunks"],
         4: ["encoder", "decoder", "gpt2", "llama", "mixtral", "shared_chunks"],
     }[nprocs]
