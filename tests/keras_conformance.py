@@ -435,7 +435,7 @@ def test_id(item) -> str:
 def _default_schedule() -> None:
     """``KERAS_PIPE_CONFORMANCE_SCHEDULE=auto`` (or another schedule): every pipeline the tests make takes it
     where the test names none, as a user's ``schedule=`` would (not in the suite's own runs: see
-    ``docs/testing.md``)."""
+    ``docs/conformance.md``)."""
     name = os.environ.get("KERAS_PIPE_CONFORMANCE_SCHEDULE")
     if not name:
         return

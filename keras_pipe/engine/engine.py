@@ -574,10 +574,7 @@ class Engine:
         self.masks = None
         sizes = self._v_sizes(self.graph)
         the_cut = cuts.cut(self.graph.plain, sizes)
-        holders = {unit: set() for unit in self.graph.units}
-        for stage in the_cut.stages:
-            for unit in stage.units:
-                holders[unit].add(self.virtual_ranks[stage.index])
+        holders = self.holder_ranks(the_cut)
         # (before the chunks are built: a chunk takes its frozen and non-trainable variables' tf.Variable, which a
         # weight released here only has once it arrives)
         self.world.doing = f"copying the weights schedule {name!r} places on other ranks (schedule='auto')"
@@ -589,6 +586,15 @@ class Engine:
     def owner_of(self, unit: str) -> int:
         """The rank of the first stage holding ``unit``'s weights (it answers for them: saving, ``get_weights``)."""
         return self.virtual_ranks[min(s.index for s in self.cut.stages if unit in s.units)]
+
+    def holder_ranks(self, the_cut=None) -> dict[str, set[int]]:
+        """Each unit's ranks holding its weights: the ranks of its virtual stages in ``the_cut`` (this engine's cut
+        by default), under this placement."""
+        holders = {unit: set() for unit in self.graph.units}
+        for stage in (the_cut or self.cut).stages:
+            for unit in stage.units:
+                holders[unit].add(self.virtual_ranks[stage.index])
+        return holders
 
     def own_layers(self) -> list:
         """The layers (units) whose weights this rank holds, in the cut's order."""

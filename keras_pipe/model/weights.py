@@ -105,18 +105,16 @@ def copy_between_holders(engine) -> None:
 
     ``cut.shared`` names the virtual stages holding a unit; with several
     chunks a rank those are not the ranks (interleaved 1F1B on 2 ranks puts
-    virtual stage 3 on rank 1), so they are mapped to ranks first. Where one
+    virtual stage 3 on rank 1), so the holders are counted in ranks. Where one
     rank holds every copy (ZB-V's first and last chunk) nothing travels.
     """
     shared = engine.cut.shared
     if not shared or engine.num_stages == 1:
         return
-    for variable, owner, here in ordered(engine):
-        unit = _unit_of(engine, variable)
-        if unit not in shared:
-            continue
-        ranks = {engine.virtual_ranks[k] for k in shared[unit]}  # (owner is among them: the first holder's rank)
-        if ranks == {owner}:
+    holders = engine.holder_ranks()
+    # (ordered() lists the weights in graph.weight_order's order: each weight's unit is that entry's)
+    for (unit, _), (variable, owner, here) in zip(engine.graph.weight_order, ordered(engine)):
+        if unit not in shared or holders[unit] == {owner}:
             continue
         array = (
             np.asarray(variable.numpy())
@@ -124,15 +122,8 @@ def copy_between_holders(engine) -> None:
             else np.empty(tuple(variable.shape), np.dtype(variable.dtype))
         )
         array = engine.pipeline.bcast_array(array, root=owner)
-        if here and engine.stage != owner and engine.stage in ranks:
+        if here and engine.stage != owner and engine.stage in holders[unit]:
             variable.assign(array)
-
-
-def _unit_of(engine, variable) -> str | None:
-    for unit, layer in engine.graph.units.items():
-        if any(v is variable for v in layer.weights):
-            return unit
-    return None
 
 
 def load_deferred(engine, model) -> None:
