@@ -518,6 +518,15 @@ class PipelineModel(keras.Model):
         self._saver.save_weights(filepath, overwrite, **kwargs)
 
     @collective
+    def export(self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs) -> None:
+        """As ``keras.Model.export``, from rank 0: the whole model's serving artifact (a SavedModel by default).
+
+        What Keras exports for the equivalent unsplit model; it serves in one
+        process without MPI or keras_pipe (``tf.saved_model.load``).
+        """
+        self._saver.export(filepath, format, verbose, input_signature, **kwargs)
+
+    @collective
     def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
         """Reads a ``.weights.h5`` file of this model (or its ``Sequential``) on rank 0; each stage gets its part."""
         self._saver.load_weights(filepath, skip_mismatch, **kwargs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import os
 
 import keras
@@ -121,6 +122,24 @@ class ModelSaver:
             on_root(
                 self.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save weights to {filepath}"
             )
+
+    def export(self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs) -> None:
+        """``model.export``: rank 0 exports the whole model, as Keras exports the unsplit one (collective).
+
+        The artifact (a SavedModel directory, or an ONNX, LiteRT... file) is
+        Keras' export of :meth:`whole_for_writing`'s model, so it serves
+        without MPI or keras_pipe; it replaces ``filepath`` only once complete.
+        """
+        self.model.build()
+        with self.whole_for_writing() as whole:
+
+            def write(temporary):
+                printed = io.StringIO()  # (Keras names the path it wrote: the partial one, renamed after)
+                with contextlib.redirect_stdout(printed):
+                    whole.export(temporary, format=format, verbose=verbose, input_signature=input_signature, **kwargs)
+                print(printed.getvalue().replace(temporary, os.fspath(filepath)), end="")
+
+            on_root(self.engine.world, lambda: write_atomically(filepath, True, write), f"export {filepath}")
 
     def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
         """``model.load_weights``: rank 0 reads the file into the whole model; each stage gets its part."""

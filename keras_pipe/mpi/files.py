@@ -9,6 +9,10 @@ or a killed rank 0 part way through leaves the previous file as it was, and
 loadable. A temporary file left by a killed writer is removed by the next
 successful write of the same target.
 
+A directory (``model.export``'s SavedModel) is written the same way; an
+existing one is moved aside, the new one renamed into its place, and the old
+one removed: between the two renames the path briefly does not exist.
+
 Remote paths (``gs://``, ``s3://``...) have no rename: they are written in place.
 
 Example:
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 
 # Keras decides a file's format by its suffix: keep the longest one it knows.
 _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".json")
@@ -75,14 +80,32 @@ def atomic_path(filepath):
     temporary = partial_path(filepath)
     try:
         yield temporary
-        os.replace(temporary, filepath)
+        _replace(temporary, filepath)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
+        _remove(temporary)
         raise
     for stale in glob.glob(_partial(glob.escape(filepath), "*")):
+        _remove(stale)  # left by a writer that was killed
+
+
+def _replace(temporary: str, filepath: str) -> None:
+    """``os.replace``; a directory over a directory: the old one moved aside first, then removed."""
+    if os.path.isdir(temporary) and os.path.isdir(filepath):
+        aside = _partial(filepath, f"old-{os.getpid()}")
+        os.replace(filepath, aside)
+        os.replace(temporary, filepath)
+        _remove(aside)
+    else:
+        os.replace(temporary, filepath)
+
+
+def _remove(path: str) -> None:
+    """Removes a file or a directory tree, if there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
         with contextlib.suppress(OSError):
-            os.remove(stale)  # left by a writer that was killed
+            os.remove(path)
 
 
 def write_text(filepath, text: str) -> None:

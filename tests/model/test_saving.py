@@ -11,8 +11,10 @@ def test_save_on_four_ranks_resume_on_two_and_open_in_plain_keras(tmp_path):
     saved = run_mpi(4, "saving.py", str(tmp_path), "save", timeout=240)
     assert saved.returncode == 0, saved.output
     assert saved.output.count("SAVED rank") == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras", "model.weights.h5", "predictions.npy"]
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["exported", "model.keras", "model.weights.h5", "predictions.npy"], written
     assert saved.output.count("Params per stage") == 1, "summary() prints one table, on rank 0"
+    assert saved.output.count(f"Saved artifact at '{tmp_path}/exported'") == 1, "export prints once, its own path"
 
     plain = subprocess.run(
         [sys.executable, str(SCRIPTS / "plain_load.py"), str(tmp_path)], capture_output=True, text=True, timeout=180

@@ -2,7 +2,7 @@
 
 Usage: graph_saving.py TMPDIR save|resume. ``save`` (4 ranks): 2 epochs of a
 ``GPT2CausalLM`` (its token embedding on the first and the last stage),
-``model.save``, predictions to a file. ``resume`` (2 ranks):
+``model.save`` and ``model.export``, predictions to a file. ``resume`` (2 ranks):
 ``keras_pipe.load_model`` + 1 epoch equals 3 uninterrupted epochs of the
 unsplit model.
 """
@@ -50,6 +50,7 @@ if mode == "save":
     model.fit(x, y, epochs=2, **fit_args)
     assert "token_embedding" in model.engine.cut.shared, model.engine.cut.shared
     model.save(f"{tmp}/model.keras")
+    model.export(f"{tmp}/exported", verbose=False)
     predictions = model.predict(x, verbose=0)
     if RANK == 0:
         np.save(f"{tmp}/predictions.npy", predictions)

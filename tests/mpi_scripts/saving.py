@@ -1,6 +1,7 @@
 """Saving and loading across rank counts. Usage: saving.py TMPDIR save|resume.
 
-``save`` (4 ranks): 2 epochs, ``model.save`` and ``save_weights``, predictions to a file.
+``save`` (4 ranks): 2 epochs, ``model.save``, ``save_weights`` and ``export`` (twice: the second
+replaces the first's SavedModel directory), predictions to a file.
 ``resume`` (2 ranks): ``keras_pipe.load_model`` + 1 epoch equals 3 uninterrupted
 epochs of Sequential; ``load_weights`` restores the saved weights.
 """
@@ -35,6 +36,8 @@ if mode == "save":
     model.fit(x, y, sample_weight=sw, batch_size=32, epochs=2, shuffle=False, verbose=0)
     model.save(f"{tmp}/model.keras")
     model.save_weights(f"{tmp}/model.weights.h5")
+    model.export(f"{tmp}/exported", verbose=False)
+    model.export(f"{tmp}/exported")  # over the first: the directory is replaced once the new one is complete
     predictions = model.predict(x, verbose=0)
     if RANK == 0:
         np.save(f"{tmp}/predictions.npy", predictions)
