@@ -27,6 +27,7 @@ from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import graph as graphs
 from keras_pipe.graph import trace as traces
 from keras_pipe.model import weights as _weights
+from keras_pipe.model.compile_checks import check_source_steps
 
 
 class ModelBuilder:
@@ -349,6 +350,7 @@ class ModelBuilder:
 
 def pipeline_of(cls, model: keras.Model, inputs, pipeline_options: dict):
     """``cls.from_model(model, inputs, **pipeline_options)``: a pipeline of class ``cls`` running ``model``."""
+    check_source_steps(model)
     if isinstance(model, keras.Sequential):
         return cls.from_sequential(model, **pipeline_options)
     view = None
@@ -373,6 +375,7 @@ def pipeline_of(cls, model: keras.Model, inputs, pipeline_options: dict):
 
 def pipeline_of_sequential(cls, model: keras.Sequential, pipeline_options: dict):
     """``cls.from_sequential(model, **pipeline_options)``: a pipeline of class ``cls`` of the model's layers."""
+    check_source_steps(model)
     if not isinstance(model, keras.Sequential):
         if graphs.functional_of(model) is not None:
             return cls.from_model(model, **pipeline_options)

@@ -1,4 +1,5 @@
-"""The ``compile()`` options a pipeline cannot honour, refused on every rank with the reason.
+"""The ``compile()`` options, and the models' step overrides, a pipeline cannot honour, refused on every rank with
+the reason.
 
 Each check runs identically on every rank (they all compile the same
 model), so the errors are raised everywhere before any communication.
@@ -42,6 +43,27 @@ def check_model(model) -> None:
         )
     if model.loss is not None:
         check_loss(model.loss)  # raises for what cannot be split into micro-batches
+
+
+# keras.Model's methods that decide what a step computes: the pipeline runs steps of its own, so a model handed to
+# from_model that overrides one would train (or evaluate, or predict) otherwise than in Keras, silently.
+STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
+
+
+def check_source_steps(model) -> None:
+    """Refuses, alike on every rank, a model to pipeline whose class overrides one of :data:`STEP_METHODS`."""
+    overridden = [name for name in STEP_METHODS if getattr(type(model), name) is not getattr(keras.Model, name)]
+    if not overridden:
+        return
+    names = ", ".join(f"{name}()" for name in overridden)
+    raise refuse(
+        f"{type(model).__name__} overrides {names}: a PipelineModel runs its own steps (each micro-batch's forward "
+        "and backward across the ranks, the loss and metrics compile() gives on the last stage), so the override "
+        "would be ignored and training would differ from Keras' without a word. Give the loss and metrics to "
+        "compile() (a keras.losses.Loss or keras.metrics.Metric subclass can hold custom logic), and pipeline a "
+        "model without the override: for a Functional one, keras.Model(model.inputs, model.outputs) keeps its "
+        "layers and weights."
+    )
 
 
 def check_no_strategy(model) -> None:

@@ -22,6 +22,9 @@ EXPECTED = {
     "stall_timeout": "stall_timeout=0: give the seconds a rank may wait",
     "stall_timeout not a number": "stall_timeout='abc': give the seconds",
     "compute_loss override": "OwnLoss overrides compute_loss()",
+    "train_step of the model given": "OwnTrainStep overrides train_step(): a PipelineModel runs its own steps",
+    "compute_loss of the model given": "OwnComputeLoss overrides compute_loss(): a PipelineModel runs its own steps",
+    "predict_step of the model given": "OwnPredictStep overrides predict_step(): a PipelineModel runs its own steps",
     "run_eagerly": "same as graphs",
     "loss reductions": "same as Sequential",
 }

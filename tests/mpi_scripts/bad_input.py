@@ -112,6 +112,21 @@ class OwnLoss(PipelineModel):
 
 case("compute_loss override", lambda: OwnLoss(layers()).compile(**compile_args()))
 
+
+def overriding(method):
+    """A Functional model whose class overrides ``method`` (as a keras_hub object detector does compute_loss)."""
+
+    def own(self, *args, **kwargs):
+        return getattr(keras.Model, method)(self, *args, **kwargs)
+
+    own_class = type(f"Own{method.title().replace('_', '')}", (keras.Model,), {method: own})
+    inputs = keras.Input((12,))
+    return own_class(inputs, keras.layers.Dense(3)(keras.layers.Dense(16)(inputs)))
+
+
+for method in ("train_step", "compute_loss", "predict_step"):
+    case(f"{method} of the model given", lambda method=method: PipelineModel.from_model(overriding(method)))
+
 # run_eagerly=True is honoured: same training as compiled graphs.
 keras.utils.set_random_seed(3)
 graph = compiled(layers())
