@@ -24,6 +24,10 @@ ReduceLROnPlateau sets the same learning rate). What must differ:
 - ``BackupAndRestore`` decides on rank 0 whether a backup exists and tells the
   other ranks, so that they need not share its filesystem, and only rank 0
   writes the backup and its metadata.
+- a stop one rank alone asks for (``model.stop_training`` set by a callback
+  that reads its own clock, or by a signal handler) is every rank's stop
+  after the same batch: the last callback of every rank's list sums the
+  ranks' flags after each batch and epoch.
 
 See ``docs/callbacks.md``.
 """
@@ -35,6 +39,7 @@ import os
 import warnings
 
 import keras
+import numpy as np
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
@@ -80,8 +85,10 @@ def writer_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
 
 def adapt_callbacks(callbacks, comm: Communicator):
     """The callbacks this rank runs (see the module docstring)."""
-    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
+    if callbacks is None:
+        return [_StopAgreed(comm)] if comm.size > 1 else None
     check_callbacks(callbacks)  # (on every rank: a writer's missing package is everyone's error, before training)
     kept = []
     for callback in callbacks:
@@ -102,7 +109,44 @@ def adapt_callbacks(callbacks, comm: Communicator):
         kept.append(callback)
     if any(isinstance(c, _WRITERS) or getattr(c, _WRITER_ONLY, False) for c in callbacks):
         kept.append(_WritersDone(comm))
+    if comm.size > 1:
+        kept.append(_StopAgreed(comm))
     return kept
+
+
+class _StopAgreed(keras.callbacks.Callback):
+    """Last in the list, on every rank: a stop one rank asks for stops every rank, at the same batch.
+
+    Keras' loops end after a batch where ``model.stop_training`` (``fit``),
+    ``stop_evaluating`` or ``stop_predicting`` is set. A callback deciding
+    from the logs decides alike everywhere, but one deciding from what its own
+    rank sees (its clock, a file, a signal handler on a preempted node) would
+    stop one rank while the others wait for it in the next step. So after
+    each batch (and each epoch) the ranks sum their flags, one number each,
+    and where any rank stops, every rank does.
+    """
+
+    def __init__(self, comm: Communicator):
+        super().__init__()
+        self.comm = comm
+
+    def _agree(self, flag: str) -> None:
+        asked = bool(getattr(self.model, flag, False))
+        anyone = self.comm.allreduce_sum(np.array([float(asked)]), "every rank to say whether it stops")[0] > 0
+        if anyone and not asked:
+            setattr(self.model, flag, True)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._agree("stop_training")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._agree("stop_training")
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._agree("stop_evaluating")
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._agree("stop_predicting")
 
 
 class _WritersDone(keras.callbacks.Callback):

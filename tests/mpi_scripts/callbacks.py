@@ -124,6 +124,50 @@ for model in (keras.Sequential(layers(regularize=False)), PipelineModel(layers(r
 assert stops[0] == stops[1] < 7 * 3, stops
 assert len(set(comm.allgather_json(stops[1]))) == 1
 
+
+# A stop one rank alone asks for (its own clock, a file, a signal handler on a preempted node) stops every rank
+# after the same batch, as Sequential stopping there: fit() at a batch and at an epoch's end, evaluate() at a batch.
+class StopAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch, rank):
+        super().__init__()
+        self.at, self.rank, self.epoch = (epoch, batch), rank, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at and RANK == self.rank:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.at == (epoch, None) and RANK == self.rank:
+            self.model.stop_training = True
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self.at == (None, batch) and RANK == self.rank:
+            self.model.stop_evaluating = True
+
+
+for at, rank in (((1, 2), SIZE - 1), ((0, None), 0)):
+    keras.utils.set_random_seed(5)
+    sequential = keras.Sequential(layers(regularize=False))
+    pipeline = PipelineModel(layers(regularize=False))
+    pipeline.set_weights(sequential.get_weights())
+    results = []
+    for model, stopper in ((sequential, StopAt(*at, RANK)), (pipeline, StopAt(*at, rank))):
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, callbacks=[stopper])
+        results.append((history.history["loss"], model.get_weights()))
+    assert len(results[1][0]) == len(results[0][0]) == at[0] + 1, (at, results[0][0], results[1][0])
+    assert_close(results[1][0], results[0][0], f"losses, stopped at {at} by rank {rank}")
+    for a, b in zip(results[1][1], results[0][1]):
+        assert_close(a, b, f"weights, stopped at {at} by rank {rank}")
+evaluated = [
+    model.evaluate(x, y, batch_size=32, verbose=0, callbacks=[StopAt(None, 1, rank)])
+    for model, rank in ((sequential, RANK), (pipeline, SIZE - 1))
+]
+assert_close(evaluated[1], evaluated[0], "evaluate() stopped after batch 1 by the last rank")
+
 # A checkpoint in a new directory each epoch: every rank's ModelCheckpoint makes a missing directory (Keras:
 # exists? else makedirs), and on one filesystem another rank can make it in between (FileExistsError on one rank
 # aborted the job, 1 run in 3 on 3 ranks: Keras' own model_checkpoint_test's "subdir" did it once in CI).
