@@ -475,6 +475,18 @@ class PipelineModel(keras.Model):
         """A model from :meth:`get_config` output (collective, as creating any ``PipelineModel`` is)."""
         return saving.from_config(cls, config, custom_objects)
 
+    def save_own_variables(self, store):
+        """Keras' ``saving_lib`` (``keras.saving.save_model(model, path)``): refused with several stages, which
+        ``model.save`` writes; with one, as Keras."""
+        self._saver.refuse_one_process_writer("keras.saving.save_model(model, ...)")
+        super().save_own_variables(store)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """TensorFlow's object graph (``tf.train.Checkpoint``, ``tf.saved_model.save``): refused with several
+        stages, as :meth:`save_own_variables`."""
+        self._saver.refuse_one_process_writer("tf.train.Checkpoint or tf.saved_model.save of the pipeline")
+        return super()._trackable_children(save_type, **kwargs)
+
     @collective
     def __reduce__(self):
         """``pickle.dumps(model)``: the whole model, on every rank (collective), as Keras pickles a model.

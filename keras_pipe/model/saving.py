@@ -26,6 +26,7 @@ import numpy as np
 
 from keras_pipe import compat
 from keras_pipe.engine.options import PipelineOptions
+from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import trace as traces
 from keras_pipe.model.building import input_of, map_specs
 from keras_pipe.model.transfer import ROOT, WholeArrays, fill, gathered, load_into, on_root
@@ -140,6 +141,19 @@ class ModelSaver:
                 print(printed.getvalue().replace(temporary, os.fspath(filepath)), end="")
 
             on_root(self.engine.world, lambda: write_atomically(filepath, True, write), f"export {filepath}")
+
+    def refuse_one_process_writer(self, what: str) -> None:
+        """Refuses, alike on every rank, a writer of one process's objects (Keras' ``saving_lib``, TensorFlow's
+        checkpoints) where this rank holds only its stage: each rank would write its part over the same path."""
+        stages = self.engine.num_stages
+        if stages == 1:
+            return
+        raise PipelineConfigError(
+            f"{what} writes one process's objects, and with {stages} stages each rank holds only its stage's "
+            "weights: every rank would write its part over the same path. Use model.save(path) (a .keras file), "
+            "model.save_weights(path), model.export(path), or the ModelCheckpoint and BackupAndRestore callbacks: "
+            "every rank takes part, and rank 0 writes the whole model."
+        )
 
     def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
         """``model.load_weights``: rank 0 reads the file into the whole model; each stage gets its part."""

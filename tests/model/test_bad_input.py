@@ -22,6 +22,8 @@ EXPECTED = {
     "stall_timeout": "stall_timeout=0: give the seconds a rank may wait",
     "stall_timeout not a number": "stall_timeout='abc': give the seconds",
     "compute_loss override": "OwnLoss overrides compute_loss()",
+    "keras.saving.save_model": "keras.saving.save_model(model, ...) writes one process's objects, and with 4 stages",
+    "tf.train.Checkpoint": "tf.train.Checkpoint or tf.saved_model.save of the pipeline writes one process's objects",
     "train_step of the model given": "OwnTrainStep overrides train_step(): a PipelineModel runs its own steps",
     "compute_loss of the model given": "OwnComputeLoss overrides compute_loss(): a PipelineModel runs its own steps",
     "predict_step of the model given": "OwnPredictStep overrides predict_step(): a PipelineModel runs its own steps",

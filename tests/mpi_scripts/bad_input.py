@@ -4,8 +4,12 @@ Runs on 4 ranks; each case prints ``CASE <name>: <first line of the error>``
 on every rank, or ``CASE <name>: no error`` (which the test reports).
 """
 
+import os
+import tempfile
+
 import keras
 import numpy as np
+import tensorflow as tf
 from common import RANK, SIZE, compile_args, data, layers
 
 from keras_pipe import PipelineModel
@@ -123,6 +127,21 @@ def overriding(method):
     inputs = keras.Input((12,))
     return own_class(inputs, keras.layers.Dense(3)(keras.layers.Dense(16)(inputs)))
 
+
+def written_by(writer):
+    def write(model):
+        with tempfile.TemporaryDirectory() as directory:  # (this rank's: refused before anything is read back)
+            writer(model, os.path.join(directory, "model.keras"))
+
+    return write
+
+
+case("keras.saving.save_model", lambda: compiled(layers()), written_by(keras.saving.save_model))
+case(
+    "tf.train.Checkpoint",
+    lambda: compiled(layers()),
+    written_by(lambda model, path: tf.train.Checkpoint(model=model).save(path)),
+)
 
 for method in ("train_step", "compute_loss", "predict_step"):
     case(f"{method} of the model given", lambda method=method: PipelineModel.from_model(overriding(method)))
