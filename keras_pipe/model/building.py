@@ -27,7 +27,7 @@ from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import graph as graphs
 from keras_pipe.graph import trace as traces
 from keras_pipe.model import weights as _weights
-from keras_pipe.model.compile_checks import check_source_steps
+from keras_pipe.model.compile_checks import check_no_preprocessor, check_source_steps
 
 
 class ModelBuilder:
@@ -351,6 +351,7 @@ class ModelBuilder:
 def pipeline_of(cls, model: keras.Model, inputs, pipeline_options: dict):
     """``cls.from_model(model, inputs, **pipeline_options)``: a pipeline of class ``cls`` running ``model``."""
     check_source_steps(model)
+    check_no_preprocessor(model)
     if isinstance(model, keras.Sequential):
         return cls.from_sequential(model, **pipeline_options)
     view = None

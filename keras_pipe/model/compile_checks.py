@@ -66,6 +66,26 @@ def check_source_steps(model) -> None:
     )
 
 
+def check_no_preprocessor(model) -> None:
+    """Refuses, alike on every rank, a keras_hub task holding a preprocessor.
+
+    keras_hub's tasks apply ``task.preprocessor`` in their own ``fit``,
+    ``evaluate`` and ``predict`` (resizing and rescaling images, tokenizing
+    text, making a causal LM's labels from its inputs); a pipeline's own would
+    feed the data to the network as given, training on other inputs than the
+    task would, silently where the shapes still fit.
+    """
+    if getattr(model, "preprocessor", None) is None or not hasattr(model, "preprocess_samples"):
+        return
+    raise refuse(
+        f"{type(model).__name__} holds a preprocessor ({type(model.preprocessor).__name__}), which keras_hub applies "
+        "in the task's own fit(), evaluate() and predict(); a PipelineModel feeds the network the data as given, so "
+        "it would train on other inputs. Make the task with preprocessor=None (from_preset(..., "
+        "preprocessor=None)) and preprocess the data with the preprocessor first, e.g. "
+        "tf.data.Dataset.from_tensor_slices(x).batch(8).map(preprocessor)."
+    )
+
+
 def check_no_strategy(model) -> None:
     """Refuses a ``tf.distribute`` strategy (the model made, compiled or called in its scope), on every rank.
 

@@ -322,6 +322,17 @@ def vit(case):
     # 144 trained logits differed by up to 3.9e-5 from the unsplit model's, the weights within their tolerance)
     compare(case, make, adamw_lm, images, classes, tolerance=(1e-4, 5e-5), num_microbatches=4)
 
+    # With its preprocessor (resize and rescale, which keras_hub's own fit() applies): refused on every rank, as a
+    # pipeline would feed the network the images as given.
+    converter = keras_hub.layers.ViTImageConverter(image_size=(8, 8), scale=1 / 255.0)
+    task = make()
+    task.preprocessor = keras_hub.models.ViTImageClassifierPreprocessor(image_converter=converter)
+    try:
+        PipelineModel.from_model(task)
+        raise AssertionError("a task with a preprocessor was pipelined")
+    except ValueError as error:
+        assert "holds a preprocessor (ViTImageClassifierPreprocessor)" in str(error), error
+
 
 def t5(case):
     """An encoder-decoder: the token embedding shared by the encoder and the decoder (two stages looking it up),
