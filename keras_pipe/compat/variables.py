@@ -58,6 +58,23 @@ def restore_initializer(variable) -> None:
         del variable._keras_pipe_initializer
 
 
+def named_as_built(variable):
+    """The TensorFlow name scope under which ``variable``'s ``tf.Variable`` is named ``<its Keras path>:0``.
+
+    Why: a layer Keras builds eagerly creates its ``tf.Variable`` inside its
+    name scopes, so the name is the variable's path
+    (``transformer_layer_0/self_attention_layer_norm/gamma:0``); one created
+    later, from its initializer (unallocated, released, lent), would be named
+    after whatever scope is current then (``gamma:0``). Keras' TensorFlow
+    optimizers match ``exclude_from_weight_decay(var_names=...)`` against
+    that name: AdamW's usual "no decay for layer norms and biases" must see the
+    path, as in the unsplit model. ``tf.name_scope`` with a trailing ``/`` is
+    absolute, and ``tf.init_scope`` keeps it.
+    """
+    parent = variable.path.rpartition("/")[0]
+    return tf.name_scope(parent + "/") if parent else contextlib.nullcontext()
+
+
 def allocate_with(variable, value) -> None:
     """Gives a variable without memory (released, or never allocated) ``value``, its own from now on
     (``KerasVariable._initialize``, Keras 3.0-3.15).
@@ -66,7 +83,7 @@ def allocate_with(variable, value) -> None:
     gives a rank weights another rank held until then.
     """
     restore_initializer(variable)
-    with allocating_scope(), tf.init_scope():
+    with allocating_scope(), tf.init_scope(), named_as_built(variable):
         variable._initialize(value)
 
 
@@ -88,7 +105,8 @@ def lent_values(variables):
                 if unallocated(variable) and all(variable is not other for other, _, _ in lent):
                     kept = variable.__dict__.get("_keras_pipe_initializer", lent)
                     lent.append((variable, variable._initializer, kept))
-                    variable._initialize(np.zeros(tuple(variable.shape), np.dtype(variable.dtype)))
+                    with named_as_built(variable):
+                        variable._initialize(np.zeros(tuple(variable.shape), np.dtype(variable.dtype)))
         yield
     finally:
         for variable, initializer, kept in lent:

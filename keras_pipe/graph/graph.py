@@ -450,7 +450,8 @@ def allocate(layers) -> None:
         for variable in layer.variables:
             compat.restore_initializer(variable)
             if compat.unallocated(variable) and variable._initializer is not None:
-                variable._deferred_initialize()
+                with compat.named_as_built(variable):  # (the tf.Variable named by its path, as if built eagerly)
+                    variable._deferred_initialize()
 
 
 def release(layers) -> None:

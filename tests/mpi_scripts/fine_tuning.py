@@ -17,8 +17,10 @@ statistics, which micro-batches would split; with several, every rank warns at t
 backbone: Keras keeps a caller's argument there, so the backbone stays in inference mode in both phases, on 4
 micro-batches. ``guide_unallocated``: the guide's model created inside ``keras_pipe.unallocated()``, its weights
 loaded from a file (each rank reading its own) and its base frozen before the pipeline allocates it, then unfrozen:
-it trains. ``llama_lora``: keras_hub's ``LlamaCausalLM`` with ``backbone.enable_lora(4)``; ``llama_lora_auto``: the
-same under ``schedule="auto"`` taking ZB-V, which cuts the model again after the first step's timing (2 ranks).
+it trains; with AdamW excluding variables from weight decay by name (``var_names``), which the names the pipeline
+gives the variables it allocates must match as Keras' do. ``llama_lora``: keras_hub's ``LlamaCausalLM`` with
+``backbone.enable_lora(4)``; ``llama_lora_auto``: the same under ``schedule="auto"`` taking ZB-V, which cuts the
+model again after the first step's timing (2 ranks).
 ``unseeded_shared``: each rank its own seed, the model created inside ``keras_pipe.unallocated()`` and pipelined
 with interleaved 1F1B, its embedding held by two ranks. ``preset``: a ``LlamaCausalLM`` saved with
 ``save_to_preset`` (rank 0), opened with ``from_preset`` inside ``keras_pipe.unallocated()`` and pipelined: each
@@ -277,6 +279,10 @@ class Classifier(keras.Model):
         return self.head(self.pool(self.base(x, training=False)))
 
 
+def unfreeze_base(model):
+    model.get_layer("base").trainable = True
+
+
 def guide_unallocated(case):
     """The guide's model created inside unallocated(), its weights loaded from a file and its base frozen before the
     pipeline gives it memory: its variables are allocated frozen (TensorFlow's own flag False), then unfrozen."""
@@ -290,8 +296,20 @@ def guide_unallocated(case):
     def freeze(model):
         model.get_layer("base").trainable = False
 
-    phases = guide_phases(lambda m: m.get_layer("base"))
-    compare(case, make, freeze, phases, images, classes, unallocated=True, num_microbatches=1)
+    def adamw_excluding(rate):
+        # (AdamW's usual "no decay for normalization and this layer", by name: Keras' TensorFlow optimizers match
+        # the tf.Variable's name, which is its path where Keras builds the layer; here the pipeline gives the
+        # variables memory, so it must name them so; a large decay makes a wrong match show in the weights)
+        arguments = adamw(rate)
+        arguments["optimizer"] = keras.optimizers.AdamW(rate, weight_decay=0.5)
+        arguments["optimizer"].exclude_from_weight_decay(var_names=["bn_", "head/kernel"])
+        return arguments
+
+    phases = [(freeze, lambda: adamw_excluding(1e-2)), (unfreeze_base, lambda: adamw_excluding(1e-4))]
+    model, _ = compare(case, make, freeze, phases, images, classes, unallocated=True, num_microbatches=1)
+    for variable in model.weights:
+        if not keras_pipe.compat.unallocated(variable):
+            assert variable.value.name == f"{variable.path}:0", (variable.value.name, variable.path)
 
 
 def guide_subclassed(case):
