@@ -34,6 +34,7 @@ from keras_pipe.model.weights import ordered
 from keras_pipe.mpi.files import atomic_path
 
 _DEFAULTS = PipelineOptions.defaults()
+EXPORT_FORMATS = ("tf_saved_model", "onnx", "openvino", "litert", "torch")  # keras.Model.export's, Keras 3.15
 
 
 class ModelSaver:
@@ -131,6 +132,8 @@ class ModelSaver:
         Keras' export of :meth:`whole_for_writing`'s model, so it serves
         without MPI or keras_pipe; it replaces ``filepath`` only once complete.
         """
+        if format not in EXPORT_FORMATS:  # (Keras' own check and words, on every rank before any communication)
+            raise PipelineConfigError(f"Unrecognized format={format}. Supported formats are: {list(EXPORT_FORMATS)}.")
         self.model.build()
         with self.whole_for_writing() as whole:
 

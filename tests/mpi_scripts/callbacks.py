@@ -148,14 +148,15 @@ class StopAt(keras.callbacks.Callback):
             self.model.stop_evaluating = True
 
 
+keras.utils.set_random_seed(5)
+sequential = keras.Sequential(layers(regularize=False))
+pipeline = PipelineModel(layers(regularize=False))
+pipeline.set_weights(sequential.get_weights())
+for model in (sequential, pipeline):  # (one compile each, for all three stops: no XLA, which they do not depend on)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=False)
 for at, rank in (((1, 2), SIZE - 1), ((0, None), 0)):
-    keras.utils.set_random_seed(5)
-    sequential = keras.Sequential(layers(regularize=False))
-    pipeline = PipelineModel(layers(regularize=False))
-    pipeline.set_weights(sequential.get_weights())
     results = []
     for model, stopper in ((sequential, StopAt(*at, RANK)), (pipeline, StopAt(*at, rank))):
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, callbacks=[stopper])
         results.append((history.history["loss"], model.get_weights()))
     assert len(results[1][0]) == len(results[0][0]) == at[0] + 1, (at, results[0][0], results[1][0])
