@@ -20,6 +20,16 @@ def compiled_loss(model):
     return model._compile_loss
 
 
+def is_default_hook(method) -> bool:
+    """Whether a callback's hook is ``keras.callbacks.Callback``'s own, doing nothing (``utils.is_default``,
+    Keras 3.0-3.15).
+
+    Why: only code of the user's between two batches can decide a stop on one rank alone; Keras' default hooks
+    are marked, as its ``CallbackList`` reads them to decide on asynchronous dispatch.
+    """
+    return method is None or getattr(method, "_is_default", False)
+
+
 def compiled_metrics(model):
     """The ``CompileMetrics`` built by ``compile()`` (``Trainer._compile_metrics``, Keras 3.0-3.15)."""
     return model._compile_metrics
