@@ -181,6 +181,7 @@ class _StopAgreed(keras.callbacks.Callback):
         super().__init__()
         self.comm = comm
         self.every_batch = every_batch
+        self.pending = {}  # flags set while the ranks were summing theirs
 
     @classmethod
     def made(cls, comm: Communicator, every_batch_here: bool) -> _StopAgreed:
@@ -190,10 +191,12 @@ class _StopAgreed(keras.callbacks.Callback):
         return cls(comm, every_batch=bool(wanted))
 
     def _agree(self, flag: str) -> None:
-        asked = bool(getattr(self.model, flag, False))
+        asked = bool(getattr(self.model, flag, False)) or self.pending.pop(flag, False)
         anyone = self.comm.allreduce_sum(np.array([float(asked)]), "every rank to say whether it stops")[0] > 0
-        if anyone and not asked:
-            setattr(self.model, flag, True)
+        if not anyone and getattr(self.model, flag, False):
+            # set during the sum (a signal handler runs between any two instructions): the next sum has it
+            self.pending[flag] = True
+        setattr(self.model, flag, anyone)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.every_batch:
