@@ -350,10 +350,10 @@ class ModelBuilder:
 
 def pipeline_of(cls, model: keras.Model, inputs, pipeline_options: dict):
     """``cls.from_model(model, inputs, **pipeline_options)``: a pipeline of class ``cls`` running ``model``."""
+    if isinstance(model, keras.Sequential):
+        return cls.from_sequential(model, **pipeline_options)  # (which checks it)
     check_source_steps(model)
     check_no_preprocessor(model)
-    if isinstance(model, keras.Sequential):
-        return cls.from_sequential(model, **pipeline_options)
     view = None
     if graphs.functional_of(model) is None:
         view = traces.view_of(model, inputs)  # (raises, saying why, alike on every rank)
@@ -376,14 +376,14 @@ def pipeline_of(cls, model: keras.Model, inputs, pipeline_options: dict):
 
 def pipeline_of_sequential(cls, model: keras.Sequential, pipeline_options: dict):
     """``cls.from_sequential(model, **pipeline_options)``: a pipeline of class ``cls`` of the model's layers."""
-    check_source_steps(model)
     if not isinstance(model, keras.Sequential):
         if graphs.functional_of(model) is not None:
-            return cls.from_model(model, **pipeline_options)
+            return cls.from_model(model, **pipeline_options)  # (which checks it)
         raise PipelineConfigError(
             f"from_sequential takes a keras.Sequential, got a {type(model).__name__} ({model.name!r}); "
             "use PipelineModel.from_model for a Functional model."
         )
+    check_source_steps(model)
     pipeline_options.setdefault("name", model.name)
     items = []
     if model.built and getattr(model, "inputs", None):

@@ -27,7 +27,8 @@ ReduceLROnPlateau sets the same learning rate). What must differ:
 - a stop one rank alone asks for (``model.stop_training`` set by a callback
   that reads its own clock, or by a signal handler) is every rank's stop
   after the same batch: the last callback of every rank's list sums the
-  ranks' flags after each batch and epoch.
+  ranks' flags after each epoch, and after each batch where code of the
+  user's runs between batches (:class:`_StopAgreed`).
 
 See ``docs/callbacks.md``.
 """

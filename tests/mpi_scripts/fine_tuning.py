@@ -279,10 +279,6 @@ class Classifier(keras.Model):
         return self.head(self.pool(self.base(x, training=False)))
 
 
-def unfreeze_base(model):
-    model.get_layer("base").trainable = True
-
-
 def guide_unallocated(case):
     """The guide's model created inside unallocated(), its weights loaded from a file and its base frozen before the
     pipeline gives it memory: its variables are allocated frozen (TensorFlow's own flag False), then unfrozen."""
@@ -305,7 +301,9 @@ def guide_unallocated(case):
         arguments["optimizer"].exclude_from_weight_decay(var_names=["bn_", "head/kernel"])
         return arguments
 
-    phases = [(freeze, lambda: adamw_excluding(1e-2)), (unfreeze_base, lambda: adamw_excluding(1e-4))]
+    rates = (1e-2, 1e-4)  # (guide_phases' own: its freezing, then unfreezing, with this optimizer)
+    guide = guide_phases(lambda m: m.get_layer("base"))
+    phases = [(change, lambda rate=rate: adamw_excluding(rate)) for (change, _), rate in zip(guide, rates)]
     model, _ = compare(case, make, freeze, phases, images, classes, unallocated=True, num_microbatches=1)
     for variable in model.weights:
         if not keras_pipe.compat.unallocated(variable):
