@@ -13,7 +13,9 @@ beside others.
 
 Every process the tests start shares one XLA cache on disk (TensorFlow's
 ``--tf_xla_persistent_cache_directory``): a program another process already
-compiled from the same HLO is loaded instead of compiled again.
+compiled from the same HLO is loaded instead of compiled again. The launches
+share the unsplit reference models' trained results the same way
+(``$KERAS_PIPE_TEST_REFERENCES``, ``tests/mpi_scripts/common.py``).
 
 The test files ``LONGEST_FIRST`` names run before the rest (in that order),
 so that no long test starts last on one worker while the others have nothing
@@ -66,12 +68,19 @@ def pytest_configure(config):
         directory = tempfile.mkdtemp(prefix="keras_pipe_tests_xla_")
         os.environ["TF_XLA_FLAGS"] = f"{os.environ.get('TF_XLA_FLAGS', '')} {XLA_CACHE}={directory}".strip()
         config._keras_pipe_xla_cache = directory  # (the controller's, removed at its end; workers inherit it)
+    if "KERAS_PIPE_TEST_REFERENCES" not in os.environ:
+        # The unsplit models' trained results, kept once a session (tests/mpi_scripts/common.py, _remembered):
+        # launches on other rank counts train the same references from the same weights and data.
+        directory = tempfile.mkdtemp(prefix="keras_pipe_tests_references_")
+        os.environ["KERAS_PIPE_TEST_REFERENCES"] = directory
+        config._keras_pipe_references = directory
 
 
 def pytest_unconfigure(config):
-    directory = getattr(config, "_keras_pipe_xla_cache", None)
-    if directory:
-        shutil.rmtree(directory, ignore_errors=True)
+    for name in ("_keras_pipe_xla_cache", "_keras_pipe_references"):
+        directory = getattr(config, name, None)
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import signal  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import keras  # noqa: E402
@@ -17,20 +18,70 @@ _REFERENCES = []  # a communicator of its own, made at the first on_rank_0 (coll
 # rank that failed in its first lines would leave the others waiting in it instead of keras_pipe's start timeout)
 
 
-def on_rank_0(compute, *args):
+def _remembered(key: str, compute):
+    """``compute()``, or what it returned for ``key`` in an earlier launch of the same test session.
+
+    The unsplit references are the same numbers in every launch that trains them (the same seed, model, data and
+    arguments: hub.py's GPT-2 on two ranks and on four, fine_tuning.py's cases on 1, 2 and 4 ranks), and their
+    training is most of rank 0's time. ``$KERAS_PIPE_TEST_REFERENCES`` (``tests/conftest.py`` makes one a session)
+    keeps each once, keyed by the caller (who vouches that the result depends on nothing else) with this script's
+    name and TensorFlow's thread count (one rank on two cores runs its products on two threads, whose sums may round
+    otherwise). Two launches asking at once: the second waits on the first's lock and reads its result.
+    """
+    directory = os.environ.get("KERAS_PIPE_TEST_REFERENCES")
+    if not directory:
+        return compute()
+    import fcntl
+    import hashlib
+    import pickle
+
+    import tensorflow as tf
+
+    threads = tf.config.threading.get_intra_op_parallelism_threads()
+    name = f"{os.path.basename(sys.argv[0])} {key} threads={threads}"
+    path = os.path.join(directory, hashlib.sha1(name.encode()).hexdigest())
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            with open(path, "rb") as stored:
+                return pickle.load(stored)
+        result = compute()
+        with open(path + ".part", "wb") as stored:
+            pickle.dump(result, stored)
+        os.replace(path + ".part", path)
+        return result
+
+
+def digest(*structures) -> str:
+    """A short hash of nested arrays, numbers and strings: part of a :func:`_remembered` key."""
+    import hashlib
+
+    hashed = hashlib.sha1()
+    for item in keras.tree.flatten(structures):
+        if hasattr(item, "shape") and hasattr(item, "dtype"):
+            array = np.asarray(item)
+            hashed.update(f"{array.shape}{array.dtype}".encode())
+            hashed.update(np.ascontiguousarray(array).tobytes())
+        else:
+            hashed.update(repr(item).encode())
+    return hashed.hexdigest()[:16]
+
+
+def on_rank_0(compute, *args, key: str | None = None):
     """``compute(*args)`` on rank 0 alone; every rank returns its result (pickled), or raises rank 0's error.
 
     For the unsplit references the scripts compare the pipeline with, which
     every rank would otherwise train again: in ``hub.py`` on four ranks that
     was half of each rank's time. The other ranks wait with sleeps (MPICH's
-    blocking receive would spin a core each).
+    blocking receive would spin a core each). ``key``: the result is the same
+    wherever it is computed with this key (see :func:`_remembered`).
     """
     if not _REFERENCES:
         _REFERENCES.append(MPI.COMM_WORLD.Dup())
     comm = _REFERENCES[0]
     if RANK == 0:
         try:
-            result = (True, compute(*args))
+            result = (True, compute(*args) if key is None else _remembered(key, lambda: compute(*args)))
         except BaseException as error:
             for rank in range(1, SIZE):
                 comm.send((False, f"{type(error).__name__}: {error}"), dest=rank)
@@ -46,15 +97,21 @@ def on_rank_0(compute, *args):
     return result
 
 
-def trained_on_rank_0(model, fit: dict, evaluate: dict | None = None, predict: dict | None = None) -> dict:
+def trained_on_rank_0(
+    model, fit: dict, evaluate: dict | None = None, predict: dict | None = None, key: str | None = None
+) -> dict:
     """``model.fit(**fit)`` on rank 0 alone (see :func:`on_rank_0`): what every rank compares its pipeline with.
 
     ``model`` is the unsplit reference, built and compiled on every rank alike
     (so that Keras' auto-named objects are named alike on every rank). Returns
     its ``history``, ``weights`` and ``steps`` (the optimizer's iterations)
     after the fit, then ``evaluate`` and ``predict`` called with those
-    arguments (``None`` where not given), on every rank.
+    arguments (``None`` where not given), on every rank. ``key``: see
+    :func:`on_rank_0` (rank 0's ``model`` is then not always the trained one).
     """
+
+    if key is not None:  # (the reference's initial weights and every array it is given are part of the key)
+        key = f"{key} {digest(model.get_weights(), fit, evaluate, predict)}"
 
     def run():
         history = model.fit(**fit).history
@@ -66,7 +123,7 @@ def trained_on_rank_0(model, fit: dict, evaluate: dict | None = None, predict: d
             predict=None if predict is None else model.predict(**{"verbose": 0, **predict}),
         )
 
-    return on_rank_0(run)
+    return on_rank_0(run, key=key)
 
 
 def data(n=203, features=12, classes=3, seed=0):

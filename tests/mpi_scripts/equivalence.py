@@ -49,6 +49,7 @@ for chain in (layers, split_layers):
         dict(x=x, y=y, sample_weight=sw, **fit_args),
         evaluate=dict(x=x_test, y=y_test),
         predict=dict(x=x_test),
+        key=chain.__name__,  # (the same on every rank count)
     )
     references[chain] = (initial, *(trained[key] for key in ("history", "weights", "evaluate", "predict")))
 

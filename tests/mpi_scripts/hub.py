@@ -55,11 +55,14 @@ def compare(case, make, compile_args, x, y, sample_weight=None, tolerance=(2e-5,
     handed_in.set_weights(reference.get_weights())
     reference.compile(**compile_args())  # (every rank builds both, so that auto-named objects stay alike)
 
+    # (a model and compile() compared again, under another schedule or on another rank count, reuse the reference's
+    # training: rank 0's training is most of a case's time)
     expected = trained_on_rank_0(
         reference,
         dict(x=x, y=y, sample_weight=sample_weight, **fit_args),
         evaluate=dict(x=x, y=y, **data),
         predict=dict(x=x, batch_size=24),
+        key=f"{make.__qualname__} {compile_args.__qualname__}",
     )
     if isinstance(handed_in, keras.Sequential):
         model = PipelineModel.from_sequential(handed_in, **pipeline_args)

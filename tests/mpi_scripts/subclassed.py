@@ -47,7 +47,11 @@ def compare(case, make, x, y, tolerance=(1e-5, 1e-6), epsilon=1e-7, sgd=False, *
     handed_in.set_weights(reference.get_weights())
     reference.compile(**compile_args())
     expected = trained_on_rank_0(
-        reference, dict(x=x, y=y, **fit_args), evaluate=dict(x=x, y=y, batch_size=24), predict=dict(x=x, batch_size=24)
+        reference,
+        dict(x=x, y=y, **fit_args),
+        evaluate=dict(x=x, y=y, batch_size=24),
+        predict=dict(x=x, batch_size=24),
+        key=f"{case} sgd={sgd} epsilon={epsilon}",  # (the same on 2 ranks and 4)
     )
     model = PipelineModel.from_model(handed_in, **pipeline_args)
     model.compile(**compile_args())
