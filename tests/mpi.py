@@ -131,4 +131,5 @@ def log_launch(nprocs: int, script: str, args: tuple[str, ...], seconds: float, 
     if path:
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
         with open(path, "a") as log:
-            log.write(f"{cpu:8.1f} cpu {seconds:7.1f} s -n {nprocs} {script} {' '.join(args)[:60]} | {test}\n")
+            ended = time.strftime("%H:%M:%S")  # (when it ended: with ``seconds``, the suite's timeline)
+            log.write(f"{cpu:8.1f} cpu {seconds:7.1f} s {ended} -n {nprocs} {script} {' '.join(args)[:60]} | {test}\n")

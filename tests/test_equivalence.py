@@ -7,7 +7,9 @@ predict() equal single-process Sequential to float32 round-off. Four ranks train
 every configuration of ``mpi_scripts/equivalence.py`` (with several chunks a rank
 too: interleaved 1F1B over 8 virtual stages, ZB-V); one and three ranks split the
 one-chunk ones between them, so that each is trained on two rank counts
-(``test_chunks.py`` trains the chunked ones on two ranks).
+(``test_chunks.py`` trains the chunked ones on two ranks). Three ranks also run the
+checks that depend only on which rank is the first stage (data in another order on
+the other ranks, the labels' zero-size stand-ins, the update cut by layers).
 """
 
 import pytest

@@ -13,6 +13,8 @@ has the table of measured seconds; ``python tests/repeat_failures.py
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from mpi import run_mpi
 
@@ -70,6 +72,10 @@ def test_a_failing_rank_ends_the_job_naming_itself(nprocs, runner, mode):
     assert MESSAGES[mode] in launch.output, launch.output
     assert named, launch.output
     assert "finished without noticing" not in launch.output, launch.output
+    if runner == "python" and mode == "script":  # (found at the first rendezvous: one report, naming the setting)
+        assert re.search(r"  rank 1: no answer within .*failed before its first PipelineModel", launch.output)
+        assert "KERAS_PIPE_START_TIMEOUT" in launch.output, launch.output
+        assert launch.output.count("What each rank was doing") <= 2, "one report (its traceback repeats it)"
     if runner != "python" or mode not in ("script", "before-mpi"):
         assert f"[keras_pipe] rank 1 is aborting all {nprocs} ranks" in launch.output, launch.output
         # (a survivor may see rank 1's process gone after its MPI_Abort, before Hydra kills it: it then
