@@ -2,7 +2,7 @@
 
 Keras ships its tests in its wheel. With this plugin, pytest runs
 ``keras/src/models/sequential_test.py``, ``functional_test.py``,
-``model_test.py``, the callback tests ``keras/src/callbacks/*_test.py`` (but
+``model_test.py``, ``cloning_test.py``, the callback tests ``keras/src/callbacks/*_test.py`` (but
 ``orbax_checkpoint_test.py``) and the tests of
 ``keras/src/trainers/trainer_test.py`` whose model is a ``Sequential`` or one
 of that file's module-level models, with ``PipelineModel`` in their place: nothing of Keras' is copied, the names
@@ -14,7 +14,7 @@ the test modules look up are substituted once they are imported.
   ``ListOutputModel`` and ``TrainingTestingLayer`` a ``PipelineModel`` of a
   layer that computes what the model's ``call`` does (its own ``call``).
   On several ranks each gets trailing ``Identity`` layers, one stage each.
-- In ``functional_test.py`` and ``model_test.py``, ``Model(inputs, outputs)``
+- In ``functional_test.py``, ``model_test.py`` and ``cloning_test.py``, ``Model(inputs, outputs)``
   and ``Functional(inputs, outputs)`` (positional or keyword) make a
   ``PipelineModel`` of that graph; ``Model()`` and the tests' own subclasses
   of ``Model`` stay Keras models (a subclassed model is
@@ -71,6 +71,7 @@ EXPECTED = Path(__file__).with_name("keras_conformance_expected.txt")
 SEQUENTIAL_TESTS = "keras.src.models.sequential_test"
 TRAINER_TESTS = "keras.src.trainers.trainer_test"
 FUNCTIONAL_TESTS = ("keras.src.models.functional_test", "keras.src.models.model_test")
+CLONING_TESTS = "keras.src.models.cloning_test"
 CALLBACK_TESTS = tuple(
     f"keras.src.callbacks.{name}_test"
     for name in (
@@ -321,6 +322,8 @@ def _substitute() -> None:
         module = importlib.import_module(module_name)
         module.Functional = Functional
         module.Model = Model
+    cloning_tests = importlib.import_module(CLONING_TESTS)  # (models.Sequential(), models.Model(inputs, outputs))
+    cloning_tests.models = _KerasNames(cloning_tests.models, {"Model": Model})
     sequential_tests = importlib.import_module(SEQUENTIAL_TESTS)
     sequential_tests.Sequential = Sequential
     trainer_tests = importlib.import_module(TRAINER_TESTS)

@@ -27,6 +27,7 @@ EXPECTED = {
     "train_step of the model given": "OwnTrainStep overrides train_step(): a PipelineModel runs its own steps",
     "compute_loss of the model given": "OwnComputeLoss overrides compute_loss(): a PipelineModel runs its own steps",
     "predict_step of the model given": "OwnPredictStep overrides predict_step(): a PipelineModel runs its own steps",
+    "a pipeline pipelined again": "is a PipelineModel already (of class PipelineModel): a pipeline cannot be",
     "run_eagerly": "same as graphs",
     "loss reductions": "same as Sequential",
 }

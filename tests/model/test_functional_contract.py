@@ -3,15 +3,15 @@
 Built once constructed, quantize(), None for inputs, from_config of a
 Functional config, trainable=False at construction, the inputs' structure
 checked on every rank in eager calls and nesting in TimeDistributed, pickle
-(the whole model on every rank), and the model handed to from_model saying
-that the pipeline holds its layers: each against keras.Model or the same
-error on every rank.
+(the whole model on every rank), the model handed to from_model saying
+that the pipeline holds its layers, and keras.models.clone_model: each
+against keras.Model or the same error on every rank.
 """
 
 import pytest
 from mpi import run_mpi
 
-CASES = ["built", "quantize", "none inputs", "from_config", "frozen", "calls", "pickle", "handed in"]
+CASES = ["built", "quantize", "none inputs", "from_config", "frozen", "calls", "pickle", "handed in", "clone_model"]
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])

@@ -145,6 +145,7 @@ case(
 
 for method in ("train_step", "compute_loss", "predict_step"):
     case(f"{method} of the model given", lambda method=method: PipelineModel.from_model(overriding(method)))
+case("a pipeline pipelined again", lambda: PipelineModel.from_model(compiled(layers())))
 
 # run_eagerly=True is honoured: same training as compiled graphs.
 keras.utils.set_random_seed(3)

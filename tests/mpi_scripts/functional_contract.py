@@ -172,5 +172,21 @@ if SIZE > 1:
     raises(RuntimeError, "use the pipeline from then on", lambda: handed_in.predict(x, verbose=0))
 ok("handed in")
 
+# 10. keras.models.clone_model (on every rank): a new pipeline of the same graph and options, with new weights, as Keras
+# clones a model of a class of its own; clone_function, input_tensors and call_function are Keras' for its own
+# Sequential and Functional classes only (Keras' ValueError, on every rank): clone the Keras model before pipelining it.
+model = same_weights_as(reference, num_microbatches=2)
+clone = keras.models.clone_model(model)
+assert type(clone) is PipelineModel and clone.num_microbatches == 2, (type(clone), clone.num_microbatches)
+assert clone.count_params() == model.count_params() and clone is not model
+clone.set_weights(reference.get_weights())
+assert_close(clone.predict(x, verbose=0), reference.predict(x, verbose=0), "clone_model, predict")
+raises(
+    ValueError,
+    "only supported for Sequential models or Functional models",
+    lambda: keras.models.clone_model(model, clone_function=lambda layer: layer),
+)
+ok("clone_model")
+
 print(f"CONTRACT done rank {RANK} of {SIZE}", flush=True)
 sys.exit(0)
