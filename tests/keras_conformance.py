@@ -2,8 +2,9 @@
 
 Keras ships its tests in its wheel. With this plugin, pytest runs
 ``keras/src/models/sequential_test.py``, ``functional_test.py``,
-``model_test.py``, ``cloning_test.py``, the callback tests ``keras/src/callbacks/*_test.py`` (but
-``orbax_checkpoint_test.py``) and the tests of
+``model_test.py``, ``cloning_test.py``, ``variable_mapping_test.py`` (whose
+models are ``saving_lib_test.py``'s helpers'), the callback tests
+``keras/src/callbacks/*_test.py`` (but ``orbax_checkpoint_test.py``) and the tests of
 ``keras/src/trainers/trainer_test.py`` whose model is a ``Sequential`` or one
 of that file's module-level models, with ``PipelineModel`` in their place: nothing of Keras' is copied, the names
 the test modules look up are substituted once they are imported.
@@ -324,6 +325,9 @@ def _substitute() -> None:
         module.Model = Model
     cloning_tests = importlib.import_module(CLONING_TESTS)  # (models.Sequential(), models.Model(inputs, outputs))
     cloning_tests.models = _KerasNames(cloning_tests.models, {"Model": Model})
+    # (variable_mapping_test.py's models come from saving_lib_test.py's helpers: keras.Sequential, keras.Model)
+    saving_helpers = importlib.import_module("keras.src.saving.saving_lib_test")
+    saving_helpers.keras = _KerasNames(saving_helpers.keras, {"Model": Model})
     sequential_tests = importlib.import_module(SEQUENTIAL_TESTS)
     sequential_tests.Sequential = Sequential
     trainer_tests = importlib.import_module(TRAINER_TESTS)

@@ -1,18 +1,19 @@
 """The installed Keras' own model tests, against PipelineModel, on 1 rank and under mpirun -n 2.
 
 The tests are Keras' (from the installed wheel): ``sequential_test.py`` and
-``trainer_test.py`` in one launch, ``functional_test.py``,
-``model_test.py`` and ``cloning_test.py`` in another, the callback tests (``keras/src/callbacks/*_test.py``
-but ``orbax_checkpoint_test.py``) in a third, each run through the plugin
-``tests/keras_conformance.py``, which substitutes the pipeline for
-``Sequential``, the trainer tests' module-level models, and the ``Functional``
-models ``Model(inputs, outputs)`` makes. Each test not in
-``keras_conformance_expected.txt`` must pass, and each that is must fail (on
-one rank, a strict ``xfail``): the list is what a pipeline cannot honour,
-each with its reason. Two ranks run each test function once (its first
-parameters; one rank runs them all): 58 of the 148 Sequential and trainer
-tests, a quarter of the time; 79 of the 114 Functional and model tests (and 9
-of cloning_test.py's 17); 69 of the 70 callback tests.
+``trainer_test.py`` in one launch; ``functional_test.py``, ``model_test.py``,
+``cloning_test.py`` and ``variable_mapping_test.py`` in another; the callback
+tests (``keras/src/callbacks/*_test.py`` but ``orbax_checkpoint_test.py``) in
+a third, each run through the plugin ``tests/keras_conformance.py``, which
+substitutes the pipeline for ``Sequential``, the trainer tests' module-level
+models, and the ``Functional`` models ``Model(inputs, outputs)`` makes. Each
+test not in ``keras_conformance_expected.txt`` must pass, and each that is
+must fail (on one rank, a strict ``xfail``): the list is what a pipeline
+cannot honour, each with its reason. Two ranks run each test function once
+(its first parameters; one rank runs them all): 58 of the 148 Sequential and
+trainer tests, a quarter of the time; 79 of the 114 Functional and model tests
+(and 9 of cloning_test.py's 17, and variable_mapping_test.py's one); 69 of the
+70 callback tests.
 """
 
 import os
@@ -31,7 +32,8 @@ KERAS_SRC = Path(keras.__file__).parent / "src"
 KERAS_TESTS = {  # one launch each
     "sequential": [KERAS_SRC / "models" / "sequential_test.py", KERAS_SRC / "trainers" / "trainer_test.py"],
     "functional": [
-        KERAS_SRC / "models" / name for name in ("functional_test.py", "model_test.py", "cloning_test.py")
+        KERAS_SRC / "models" / name
+        for name in ("functional_test.py", "model_test.py", "cloning_test.py", "variable_mapping_test.py")
     ],
     "callbacks": sorted(
         path for path in (KERAS_SRC / "callbacks").glob("*_test.py") if path.name != "orbax_checkpoint_test.py"
