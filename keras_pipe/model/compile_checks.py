@@ -52,10 +52,7 @@ STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "comp
 
 def check_source_steps(model) -> None:
     """Refuses, alike on every rank, a model to pipeline whose class overrides one of :data:`STEP_METHODS`."""
-    if any(
-        c.__name__ == "PipelineModel" and c.__module__ == __name__.rpartition(".")[0] + ".model"
-        for c in type(model).__mro__
-    ):
+    if getattr(model, "_keras_pipe_pipeline", False):  # (PipelineModel's marker, as the engine finds nested ones)
         raise refuse(
             f"{model.name!r} is a PipelineModel already (of class {type(model).__name__}): a pipeline cannot be "
             "pipelined again. Pipeline its Keras model (model.to_keras() on rank 0 gives it whole), or use it as it is."

@@ -129,7 +129,7 @@ class PipelineModel(keras.Model):
             wraps the optimizer in a ``LossScaleOptimizer``).
     """
 
-    _keras_pipe_pipeline = True  # (what the engine looks for among a model's layers: a pipeline nested in one)
+    _keras_pipe_pipeline = True  # (what the engine looks for among a model's layers, and from_model in the model given)
 
     def __init__(
         self,

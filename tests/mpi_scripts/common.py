@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import fcntl  # noqa: E402
+import hashlib  # noqa: E402
+import pickle  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -31,10 +34,6 @@ def _remembered(key: str, compute):
     directory = os.environ.get("KERAS_PIPE_TEST_REFERENCES")
     if not directory:
         return compute()
-    import fcntl
-    import hashlib
-    import pickle
-
     import tensorflow as tf
 
     threads = tf.config.threading.get_intra_op_parallelism_threads()
@@ -54,8 +53,6 @@ def _remembered(key: str, compute):
 
 def digest(*structures) -> str:
     """A short hash of nested arrays, numbers and strings: part of a :func:`_remembered` key."""
-    import hashlib
-
     hashed = hashlib.sha1()
     for item in keras.tree.flatten(structures):
         if hasattr(item, "shape") and hasattr(item, "dtype"):
