@@ -2,7 +2,6 @@
 
 import re
 
-import pytest
 from mpi import run_mpi
 
 EXPECTED = {
@@ -45,7 +44,6 @@ def test_every_mistake_is_a_clear_error_on_every_rank():
     assert not problems, "\n".join(problems) + "\n\n" + launch.output
 
 
-@pytest.mark.alone  # a bound in seconds (see conftest.py)
 def test_a_hanging_rank_ends_the_job_with_a_report():
     launch = run_mpi(4, "stall.py", "hang", timeout=180)
     assert launch.returncode != 0, launch.output
@@ -58,7 +56,6 @@ def test_a_hanging_rank_ends_the_job_with_a_report():
     assert "finished without noticing" not in launch.output
 
 
-@pytest.mark.alone  # a bound in seconds (see conftest.py)
 def test_a_hanging_replica_ends_the_job_with_a_report_naming_every_rank():
     launch = run_mpi(4, "stall.py", "hang-replicas", timeout=180)
     assert launch.returncode != 0, launch.output
@@ -71,7 +68,6 @@ def test_a_hanging_replica_ends_the_job_with_a_report_naming_every_rank():
     assert "finished without noticing" not in launch.output
 
 
-@pytest.mark.alone  # a bound in seconds (see conftest.py)
 def test_a_killed_rank_ends_the_job_within_the_timeout():
     launch = run_mpi(4, "stall.py", "kill", timeout=180)
     assert launch.returncode != 0, launch.output
