@@ -3,11 +3,12 @@
 For P = 1, 3 and 4 ranks, micro-batch counts 1, 2 and 4 and both schedules, with a
 final partial batch, sample weights, weight and activity regularizers and a
 validation split: loss and metric history, final weights, evaluate() and
-predict() equal single-process Sequential to float32 round-off. Four ranks train
-every configuration of ``mpi_scripts/equivalence.py`` (with several chunks a rank
-too: interleaved 1F1B over 8 virtual stages, ZB-V); one and three ranks split the
-one-chunk ones between them, so that each is trained on two rank counts
-(``test_chunks.py`` trains the chunked ones on two ranks). Three ranks also run the
+predict() equal single-process Sequential to float32 round-off. The
+configurations of ``mpi_scripts/equivalence.py`` are split between three and four
+ranks, so that each trains on several stages at least once (four ranks: those with
+several chunks a rank too, interleaved 1F1B over 8 virtual stages and ZB-V, which
+``test_chunks.py`` trains on two ranks as well); one rank trains four of them
+again, as a single stage. Three ranks also run the
 checks that depend only on which rank is the first stage (data in another order on
 the other ranks, the labels' zero-size stand-ins, the update cut by layers).
 """
