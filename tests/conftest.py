@@ -5,9 +5,10 @@ A launch of ranks leaves the cores idle, or spinning, much of its time
 rank after another), so several tests at once fill the machine: on 2 cores
 three workers were faster than two or four, and spent less CPU time
 (docs/suite_time.md has the figures). What a test measures in seconds must not share the cores: a test
-marked ``alone`` (CPU time, measured speed, or a stall timeout that a loaded
-rank could pass) waits until the other workers' tests have ended, and no test
-starts beside it. A bound on how soon a job ends after a failure is measured
+marked ``alone`` (CPU time, measured speed) waits until the other workers'
+tests have ended, and no test starts beside it. (A test under a short stall
+timeout sets it after a first fit, when every rank's programs are traced:
+``mpi_scripts/stall.py``.) A bound on how soon a job ends after a failure is measured
 from the failure (``Launch.seconds_after``), not from the launch, and runs
 beside others.
 
