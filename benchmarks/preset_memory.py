@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -114,7 +115,8 @@ def main() -> None:
         ]
         for name, command in launches:
             out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-            rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+            # (ranks' lines may run together on the launcher's output: each row is found on its own)
+            rows = [json.loads(found) for found in re.findall(r"ROW (\{[^{}]*\})", out.stdout)]
             if not rows:
                 print(f"{name}: failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
                 continue

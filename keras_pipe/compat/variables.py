@@ -231,6 +231,9 @@ def held_only_loading():
     is the model's), but a variable of another stage has no memory here and
     its bytes are left in the file, so that a rank never holds more than its
     own stage and the one value being read.
+
+    Yields a set that collects the ``id`` of every variable the file gives a
+    value, held here or not (the same walk on every rank).
     """
     from keras.src.backend.common.variables import Variable
     from keras.src.saving import saving_lib
@@ -255,7 +258,10 @@ def held_only_loading():
 
         return lazy
 
+    visited = set()
+
     def held_assign(variable, value):
+        visited.add(id(variable))
         if unallocated(variable):
             return variable  # (another stage's: its value stays in the file)
         if isinstance(value, _Stored):
@@ -266,7 +272,7 @@ def held_only_loading():
         store.__getitem__ = lazy_of(read)
     Variable.assign = held_assign
     try:
-        yield
+        yield visited
     finally:
         for store, read in reads.items():
             store.__getitem__ = read

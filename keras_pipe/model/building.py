@@ -306,9 +306,10 @@ class ModelBuilder:
                 if here:
                     variable.assign(value)
         else:
-            _weights.copy_between_holders(engine)
-            _weights.copy_from_first_replica(engine)
-            _weights.load_deferred(engine, model)  # (a preset loaded inside unallocated(): each rank its own)
+            # (a preset loaded inside unallocated(): each rank reads its own, then copies what the file did not give)
+            loaded = _weights.load_deferred(engine, model)
+            _weights.copy_between_holders(engine, loaded)
+            _weights.copy_from_first_replica(engine, loaded=loaded)
         engine.release_others()
 
     # -- calling it --------------------------------------------------------

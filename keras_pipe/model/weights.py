@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError, PipelineIOError
+from keras_pipe.mpi.comm import TAG_STATE
 
 
 def ordered(engine) -> list[tuple]:
@@ -80,16 +81,18 @@ def assign(engine, weights: Sequence[np.ndarray]) -> None:
             variable.assign(value)
 
 
-def copy_from_first_replica(engine, optimizer=None) -> None:
+def copy_from_first_replica(engine, optimizer=None, loaded=frozenset()) -> None:
     """Gives every replica of this stage the first replica's weights (no-op with one replica).
 
-    With an ``optimizer``, its state too (after loading).
+    With an ``optimizer``, its state too (after loading). ``loaded``: the ids
+    of weights every rank has just read from one file (:func:`load_deferred`),
+    alike already.
     """
     replicas = engine.replicas
     if replicas is None or not engine.built:
         return
     engine.world.doing = "copying the first replica's weights to the other replicas"
-    variables = stage_weights(engine)
+    variables = [variable for variable in stage_weights(engine) if id(variable) not in loaded]
     if optimizer is not None and replicas.bcast_json(bool(optimizer.built), root=0):
         if not optimizer.built:
             optimizer.build(engine.trainable_variables)
@@ -100,33 +103,40 @@ def copy_from_first_replica(engine, optimizer=None) -> None:
             variable.assign(value)
 
 
-def copy_between_holders(engine) -> None:
+def copy_between_holders(engine, loaded=frozenset()) -> None:
     """A weight several stages hold starts alike on each: the first holder's value (collective over the pipeline).
 
     ``cut.shared`` names the virtual stages holding a unit; with several
     chunks a rank those are not the ranks (interleaved 1F1B on 2 ranks puts
     virtual stage 3 on rank 1), so the holders are counted in ranks. Where one
-    rank holds every copy (ZB-V's first and last chunk) nothing travels.
+    rank holds every copy (ZB-V's first and last chunk) nothing travels. The
+    first holder sends the value to the other holders alone, one weight at a
+    time: a rank that does not hold it receives nothing (a broadcast over the
+    pipeline gave every rank a copy of each shared weight, a language model's
+    embedding tables, for a moment). ``loaded``: the ids of weights every rank
+    has just read from one file (:func:`load_deferred`), alike already.
     """
     shared = engine.cut.shared
     if not shared or engine.num_stages == 1:
         return
     holders = engine.holder_ranks()
+    pipeline = engine.pipeline
+    pipeline.doing = "copying the weights several stages hold from their first holder"
     # (ordered() lists the weights in graph.weight_order's order: each weight's unit is that entry's)
     for (unit, _), (variable, owner, here) in zip(engine.graph.weight_order, ordered(engine)):
-        if unit not in shared or holders[unit] == {owner}:
+        if unit not in shared or holders[unit] == {owner} or id(variable) in loaded:
             continue
-        array = (
-            np.asarray(variable.numpy())
-            if engine.stage == owner
-            else np.empty(tuple(variable.shape), np.dtype(variable.dtype))
-        )
-        array = engine.pipeline.bcast_array(array, root=owner)
-        if here and engine.stage != owner and engine.stage in holders[unit]:
-            variable.assign(array)
+        others = sorted(holders[unit] - {owner})
+        if engine.stage == owner:
+            value = np.asarray(variable.numpy())
+            for rank in others:
+                pipeline.send(value, rank, TAG_STATE)
+            pipeline.flush()  # (every rank takes the weights in the same order: one in flight at a time)
+        elif here and engine.stage in others:
+            variable.assign(pipeline.recv_exact(owner, TAG_STATE, tuple(variable.shape), np.dtype(variable.dtype)))
 
 
-def load_deferred(engine, model) -> None:
+def load_deferred(engine, model) -> set[int]:
     """The weights files loaded into ``model`` (or a model nested in it) while it had no memory, now read (collective).
 
     A keras_hub ``from_preset`` (or a ``load_weights``) inside
@@ -135,29 +145,39 @@ def load_deferred(engine, model) -> None:
     stage, each rank runs Keras' own load of each file over the whole model,
     reading and assigning only the variables it holds; an error on any rank
     (a missing file, a shape that differs) is raised on every rank, naming it.
+    Returns the ids of the model's weights the files gave a value on every rank.
     """
     loads = [(sub, load) for sub in compat.sublayers(model) for load in sub.__dict__.get(compat.DEFERRED_LOADS, [])]
     if not loads:
-        return
+        return set()
 
     def load():
         for sub, (filepath, skip_mismatch, objects_to_skip) in loads:
             compat.load_weights_only(sub, filepath, skip_mismatch, objects_to_skip)
 
-    read_held(engine, load, f"loading the weights recorded while {model.name!r} was created unallocated")
+    visited = read_held(engine, load, f"loading the weights recorded while {model.name!r} was created unallocated")
     for sub, _ in loads:
         object.__setattr__(sub, compat.DEFERRED_LOADS, [])
+    # Which of the model's weights the files gave a value on every rank (the same walk everywhere, agreed on
+    # all the same): the holders of those read one value, and copying it between them would move it for nothing.
+    entries = ordered(engine)
+    indices = {i for i, (variable, _, _) in enumerate(entries) if id(variable) in visited}
+    if engine.world.size > 1:
+        for other in engine.world.allgather_json(sorted(indices)):
+            indices &= set(other)
+    return {id(entries[i][0]) for i in indices}
 
 
-def read_held(engine, load, what: str) -> None:
+def read_held(engine, load, what: str) -> set[int]:
     """``load()`` (Keras reading a file into the model) on every rank, each reading only what it holds (collective).
 
     An error on any rank (a missing file, a shape that differs) is raised
-    on every rank, naming the rank.
+    on every rank, naming the rank. Returns the ids of the variables the file
+    gave a value (held here or not).
     """
-    problem = None
+    problem, visited = None, set()
     try:
-        with compat.held_only_loading():
+        with compat.held_only_loading() as visited:
             load()
     except Exception as error:  # noqa: BLE001 - every rank raises the first rank's error
         problem = f"rank {engine.world.rank}: {type(error).__name__}: {error}"
@@ -165,3 +185,4 @@ def read_held(engine, load, what: str) -> None:
     problems = [p for p in problems if p]
     if problems:
         raise PipelineIOError(f"{what} failed: {problems[0]}")
+    return visited
