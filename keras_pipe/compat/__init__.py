@@ -10,7 +10,7 @@ callbacks' internals), :mod:`~keras_pipe.compat.functional` (a Functional
 model's nodes and inputs), :mod:`~keras_pipe.compat.variables` (variables
 without memory and the weights files loaded into them),
 :mod:`~keras_pipe.compat.saving` (pickle bytes, a weights-only load, keras_hub's
-LoRA file) and :mod:`~keras_pipe.compat.tensors` (TensorFlow's internals, a
+LoRA file, Keras' weights layout walked a stage a rank) and :mod:`~keras_pipe.compat.tensors` (TensorFlow's internals, a
 tensor's mask). Every name is imported here: the rest of keras_pipe writes
 ``compat.name``. ``tests/test_compat.py`` calls :func:`check`, which fails
 loudly, naming the missing attribute, when a Keras or TensorFlow upgrade
@@ -36,7 +36,18 @@ from keras_pipe.compat.layers import (
     trained_weights,
     weight_regularization_losses,
 )
-from keras_pipe.compat.saving import keras_pickle_bytes, keras_unpickle, load_weights_only, write_lora_file
+from keras_pipe.compat.saving import (
+    built_on,
+    keras_pickle_bytes,
+    keras_unpickle,
+    load_weights_only,
+    optimizer_layout,
+    own_variables,
+    save_state,
+    sharded_reader,
+    weights_store_class,
+    write_lora_file,
+)
 from keras_pipe.compat.tensors import call_concrete, executing_eagerly, get_mask, global_seed, set_mask, variable_handle
 from keras_pipe.compat.training import (
     BACKUP_ATTRIBUTES,
@@ -76,6 +87,7 @@ __all__ = [
     "DEFERRED_LOADS",
     "allocate_with",
     "allocating_scope",
+    "built_on",
     "apply_mask",
     "backup_paths",
     "call_concrete",
@@ -105,15 +117,19 @@ __all__ = [
     "makedirs_tolerating_existing",
     "metric_containers",
     "named_as_built",
+    "optimizer_layout",
+    "own_variables",
     "own_losses",
     "release_variable",
     "replace_backup_io",
     "restore_initializer",
+    "save_state",
     "scale_loss_for_distribution",
     "seed_generators",
     "sequential_functional",
     "set_initial_epoch",
     "set_mask",
+    "sharded_reader",
     "set_mean_state",
     "squeeze_or_expand_to_same_rank",
     "standardize_inputs",
@@ -122,6 +138,7 @@ __all__ = [
     "unallocated",
     "unallocated_scope",
     "variable_handle",
+    "weights_store_class",
     "weight_regularization_losses",
     "write_lora_file",
     "write_model_summary",

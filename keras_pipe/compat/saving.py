@@ -54,3 +54,102 @@ def write_lora_file(filepath: str, rank: int, kernels: list) -> None:
             inner["lora_kernel_b"] = b
     finally:
         store.close()
+
+
+# -- Keras' weights layout, walked a stage a rank (the sharded checkpoint: keras_pipe/model/sharded.py) --------------
+
+
+def own_variables(layer) -> list:
+    """The variables ``layer.save_own_variables`` writes by default: its own, not its sublayers'
+    (``Layer._trainable_variables + _non_trainable_variables``, Keras 3.0-3.15).
+
+    Why: a rank writes a layer's entry of a weights file only where it
+    answers for every one of these; the layer's own ``save_own_variables``
+    (a ``Dense`` merging its LoRA kernels) would read another stage's.
+    """
+    return list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", []))
+
+
+def save_state(model, store, skip=()) -> None:
+    """Keras' own walk of ``model`` into a weights ``store`` (``saving_lib._save_state``, Keras 3.0-3.15), the
+    objects in ``skip`` (an optimizer) and everything under them left out.
+
+    Why: the path of every layer's entry (``layers/dense_1/vars``) is Keras'
+    walk's; a pipeline's rank writes the entries of its own stage at the
+    paths the unsplit model's file has them.
+    """
+    from keras.src.saving import saving_lib
+
+    skipped = {id(s) for s in skip}
+    saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="", visited_saveables=skipped)
+
+
+def weights_store_class():
+    """Keras' HDF5 weights store (``saving_lib.H5IOStore``, Keras 3.0-3.15), which :func:`save_state` requires."""
+    from keras.src.saving import saving_lib
+
+    return saving_lib.H5IOStore
+
+
+def sharded_reader(index_path: str):
+    """Keras' reader of a sharded weights file (``saving_lib.ShardedH5IOStore``, Keras 3.12-3.15), opened on its
+    index: ``reader.get("optimizer")[str(i)]`` reads one value from whichever shard holds it."""
+    from keras.src.saving import saving_lib
+
+    return saving_lib.ShardedH5IOStore(index_path, mode="r")
+
+
+def optimizer_layout(optimizer, weights: list) -> list:
+    """What each variable of ``optimizer``, built on ``weights``, is, in the order of its ``variables``, without
+    allocating anything: ``(index, k)`` for the ``k``-th variable its build made for the weight numbered
+    ``index`` (Adam's momentum ``k=0`` and velocity ``k=1``, Adafactor's row and column factors...), ``("own", k)``
+    for its ``k``-th variable of no weight (iteration, learning rate, a loss scale); each with the shape the
+    variable has.
+
+    ``weights``: ``(index, path, shape, dtype)`` of the weights to build on, in order, ``index`` being the
+    weight's number in the unsplit model's trainable weights. A copy of the optimizer (its class and config) is built on
+    stand-ins named after those numbers, inside a throwaway graph where no variable takes memory; a variable
+    the build makes belongs to the weight whose stand-in's name is in its own (Keras names a slot after its
+    weight's path, ``BaseOptimizer.add_variable_from_reference``, or after the weight's name, Adafactor's
+    factors, Keras 3.0-3.15).
+
+    Why: Keras writes an optimizer's state as one list, ``optimizer/vars/<position>``, in its build's order.
+    Each rank's optimizer holds its stage's slots; the unsplit model's order is read from the same build on
+    every weight, not guessed: a layout built on all the weights and one built on a stage's give each of the
+    stage's optimizer variables its position in the unsplit model's list.
+    """
+    import re
+
+    import keras
+    import tensorflow as tf
+
+    config = optimizer.get_config()  # (eagerly: it reads the learning rate's value)
+    with tf.Graph().as_default():
+        shadow = type(optimizer).from_config(config)
+        stand_ins = [
+            # (the weight's path in the name too: Muon chooses by it, "embedding" in a path taking AdamW's slots)
+            keras.Variable(initializer="zeros", shape=tuple(shape), dtype=dtype, name=_stand_in_name(index, path))
+            for index, path, shape, dtype in weights
+        ]
+        shadow.build(stand_ins)
+        layout, counts = [], {}
+        for variable in shadow.variables:
+            found = re.search(r"keras_pipe_w(\d+)_", variable.path)
+            owner = int(found.group(1)) if found else "own"
+            counts[owner] = counts.get(owner, -1) + 1
+            layout.append(((owner, counts[owner]), tuple(variable.shape)))
+    return layout
+
+
+def _stand_in_name(index: int, path: str) -> str:
+    return f"keras_pipe_w{index}_{path.replace('/', '_')}"
+
+
+def built_on(optimizer) -> list:
+    """The variables ``optimizer`` was built on, in order (``BaseOptimizer._trainable_variables``, Keras 3.0-3.15).
+
+    Why: the order of its slots is theirs; a pipeline builds its optimizer on its stage's weights.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)  # (LossScaleOptimizer builds its inner one on them)
+    found = list(getattr(optimizer, "_trainable_variables", []) or [])
+    return found or (built_on(inner) if inner is not None else [])

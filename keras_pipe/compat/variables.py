@@ -242,16 +242,22 @@ def held_only_loading():
     reads = {store: store.__dict__["__getitem__"] for store in stores if "__getitem__" in store.__dict__}
     assign = Variable.assign
 
+    reading = []  # (a read under way: the sharded store's read calls its base class's, which must read now)
+
     def lazy_of(read):
         def lazy(store, key):
+            if reading:
+                return read(store, key)
             group = store._h5_entry_group  # (the store is one object moved from entry to entry)
 
             def read_now():
                 current = store._h5_entry_group
                 store._h5_entry_group = group
+                reading.append(True)
                 try:
                     return read(store, key)
                 finally:
+                    reading.pop()
                     store._h5_entry_group = current
 
             return _Stored(read_now)

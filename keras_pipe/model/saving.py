@@ -28,6 +28,7 @@ from keras_pipe import compat
 from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import trace as traces
+from keras_pipe.model import sharded
 from keras_pipe.model.building import input_of, map_specs
 from keras_pipe.model.transfer import ROOT, WholeArrays, fill, gathered, load_into, on_root
 from keras_pipe.model.weights import ordered
@@ -113,7 +114,14 @@ class ModelSaver:
 
     def save_weights(self, filepath, overwrite: bool = True, finish=None, **kwargs) -> None:
         """``model.save_weights`` (collective); ``finish(path)`` runs on rank 0 on the complete file before its
-        rename (``BackupAndRestore`` marks its position in it)."""
+        rename (``BackupAndRestore`` marks its position in it).
+
+        A ``.weights.json`` path, or ``max_shard_size``: Keras' sharded layout, a stage a rank (:mod:`.sharded`;
+        ``finish(metadata)`` then adds to the index's metadata).
+        """
+        if sharded.wants_sharded(filepath, kwargs.get("max_shard_size")):
+            sharded.save(self, filepath, overwrite, kwargs.pop("max_shard_size", None), finish)
+            return
         with self.whole_for_writing() as whole:
 
             def write(temporary):
@@ -159,7 +167,15 @@ class ModelSaver:
         )
 
     def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
-        """``model.load_weights``: rank 0 reads the file into the whole model; each stage gets its part."""
+        """``model.load_weights``: rank 0 reads the file into the whole model; each stage gets its part.
+
+        A ``.weights.json`` (Keras' sharded layout): every rank reads its own stage's values (:mod:`.sharded`).
+        """
+        if os.fspath(filepath).endswith(sharded.INDEX):
+            if kwargs:
+                raise PipelineConfigError(f"load_weights got unexpected arguments {sorted(kwargs)}")
+            sharded.load(self, filepath, skip_mismatch)
+            return
         self.model.build()
 
         def read():
@@ -199,7 +215,7 @@ class ModelSaver:
             compile_whole(whole, model.get_compile_config())
         return whole
 
-    def of_layers(self) -> keras.Model:
+    def of_layers(self, compiled: bool = True) -> keras.Model:
         """The whole model made of this process's own layer objects (rank 0), for Keras to write.
 
         What :meth:`skeleton` falls back on when a layer cannot be rebuilt from
@@ -209,7 +225,9 @@ class ModelSaver:
         a new ``keras.Sequential`` of the pipeline's layers, a graph
         the model the pipeline was made of; compiled as the pipeline is.
         The layers of other stages hold no weights here: call it inside
-        :func:`compat.lent_values`.
+        :func:`compat.lent_values`, or walk it as :mod:`.sharded` does, each
+        rank writing or reading only its own (``compiled=False``: no optimizer,
+        which would hold every stage's slots).
         """
         model, builder = self.model, self.builder
         if builder.layers:
@@ -220,7 +238,7 @@ class ModelSaver:
             # keras.Model over a task's graph is one Keras cannot load again where a layer of a nested model is
             # called outside it too (a language model's head on its backbone's token embedding)
             whole = traces.source_of(builder.source) or builder.source
-        if model.compiled:
+        if model.compiled and compiled:
             compile_whole(whole, model.get_compile_config())
         return whole
 
