@@ -36,7 +36,7 @@ from keras_pipe.errors import (  # noqa: E402
     RankMismatchError,
 )
 from keras_pipe.graph.graph import unallocated  # noqa: E402
-from keras_pipe.model.callbacks import is_writer, writer_only  # noqa: E402
+from keras_pipe.model.callbacks import ModelCheckpoint, is_writer, writer_only  # noqa: E402
 from keras_pipe.model.loading import load_model  # noqa: E402
 from keras_pipe.model.model import PipelineModel  # noqa: E402
 from keras_pipe.model.timeline import PipelineTimeline  # noqa: E402
@@ -55,6 +55,7 @@ __all__ = [
     "SpanRecorder",
     "Tracer",
     "load_model",
+    "ModelCheckpoint",
     "unallocated",
     "is_writer",
     "writer_only",

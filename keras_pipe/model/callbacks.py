@@ -84,6 +84,51 @@ def writer_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
     return callback
 
 
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras' ``ModelCheckpoint``, which also takes a ``.weights.json`` path: a sharded checkpoint a stage a rank.
+
+    With ``save_weights_only=True`` and a path ending in ``.weights.json``,
+    each checkpoint is Keras' sharded weights layout, written by every stage
+    in parallel (``model.save_weights``, :mod:`keras_pipe.model.sharded`): no
+    rank holds more than its stage, and plain Keras' ``load_weights`` reads
+    it. Keras' own class refuses such a path (it knows ``.weights.h5`` and
+    ``.keras`` only); any other path behaves exactly as Keras' (rank 0 writes
+    the whole model). Every argument is Keras'.
+
+    Example:
+
+    ```python
+    checkpoint = keras_pipe.ModelCheckpoint("ck/epoch{epoch:02d}.weights.json", save_weights_only=True)
+    model.fit(x, y, epochs=10, callbacks=[checkpoint])
+    ```
+    """
+
+    def __init__(
+        self,
+        filepath,
+        monitor="val_loss",
+        verbose=0,
+        save_best_only=False,
+        save_weights_only=False,
+        mode="auto",
+        save_freq="epoch",
+        initial_value_threshold=None,
+    ):
+        path = os.fspath(filepath)
+        sharded = path.endswith(".weights.json")
+        if sharded and not save_weights_only:
+            raise ValueError(
+                "A `.weights.json` path is a sharded weights checkpoint: pass save_weights_only=True (a whole model "
+                f"is saved to a `.keras` path). Received: filepath={path}"
+            )
+        # (Keras' checks of everything else, on a .weights.h5 stand-in for the path it does not know)
+        stand_in = path[: -len(".json")] + ".h5" if sharded else path
+        super().__init__(
+            stand_in, monitor, verbose, save_best_only, save_weights_only, mode, save_freq, initial_value_threshold
+        )
+        self.filepath = path
+
+
 def adapt_callbacks(callbacks, comm: Communicator):
     """The callbacks this rank runs (see the module docstring)."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -311,6 +356,7 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
 
     def restore(weights_path, metadata_path):
         model = callback.model
+        weights_path = comm.bcast_json(_backup_to_read(weights_path) if root else None, root=0)
         found = on_root(comm, lambda: position_of(weights_path, metadata_path), "read the backup", metadata_path)
         found = comm.bcast_json(found, root=0)
         if found["weights"]:
@@ -325,7 +371,7 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             raise ValueError(
                 "To use the BackupAndRestore callback, build the model before fit() (start it with keras.Input)."
             )
-        paths = compat.backup_paths(callback)
+        paths = sharded_backup_paths(callback)
         try:
             restore(paths["weights_path"], paths["training_metadata_path"])
         except PipelineIOError as error:
@@ -358,7 +404,7 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             restore(paths["weights_path"], paths["training_metadata_path"])
 
     def save_model():
-        paths = compat.backup_paths(callback)
+        paths = sharded_backup_paths(callback)
         if root:
             if not files.exists(callback.backup_dir):
                 files.makedirs(callback.backup_dir)
@@ -367,7 +413,10 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             if callback.double_checkpoint and files.exists(paths["training_metadata_path"]):
                 copy(paths["training_metadata_path"], paths["prev_training_metadata_path"])
         position = {"epoch": paths["current_epoch"], "batch": paths["last_batch_seen"]}
-        callback.model._saver.save_weights(paths["weights_path"], finish=lambda path: mark_position(path, position))
+        keep = [paths["prev_weights_path"]] if callback.double_checkpoint else []  # (its shards stay too)
+        callback.model._saver.save_weights(
+            paths["weights_path"], finish=lambda metadata: metadata.update({POSITION_ATTRIBUTE: position}), keep=keep
+        )
         if root:
             write_text(paths["training_metadata_path"], json.dumps(position))
 
@@ -386,21 +435,32 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
 POSITION_ATTRIBUTE = "keras_pipe_backup_position"
 
 
-def mark_position(weights_path: str, position: dict) -> None:
-    """Stores a backup's position (epoch, batch) inside its weights file, before the file is renamed into place.
+def sharded_backup_paths(callback) -> dict:
+    """``BackupAndRestore``'s files, its weights a sharded checkpoint (``latest.weights.json``, see
+    :mod:`keras_pipe.model.sharded`): each stage writes its own, and no rank holds the whole model."""
+    paths = compat.backup_paths(callback)
+    for name in ("weights_path", "prev_weights_path"):
+        paths[name] = paths[name].replace(".weights.h5", ".weights.json")
+    return paths
 
-    The weights and the epoch to resume at are then replaced together: a job
-    killed between writing the weights and the metadata file cannot resume
-    at the wrong epoch.
-    """
-    import h5py
 
-    with h5py.File(weights_path, "a") as f:
-        f.attrs[POSITION_ATTRIBUTE] = json.dumps(position)
+def _backup_to_read(weights_path: str) -> str:
+    """The backup's index, or where there is none the one file an earlier keras_pipe wrote (rank 0)."""
+    files = compat.file_utils()
+    one_file = weights_path.replace(".weights.json", ".weights.h5")
+    return one_file if not files.exists(weights_path) and files.exists(one_file) else weights_path
 
 
 def _position_in(weights_path: str):
     import h5py
+
+    if weights_path.endswith(".weights.json"):  # (the index's metadata: written with the index, the commit)
+        try:
+            with open(weights_path) as f:
+                position = json.load(f)["metadata"].get(POSITION_ATTRIBUTE)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return None if position is None else position["epoch"]
 
     try:
         with h5py.File(weights_path, "r") as f:

@@ -112,15 +112,15 @@ class ModelSaver:
 
             on_root(self.engine.world, lambda: write_atomically(filepath, overwrite, write), f"save {filepath}")
 
-    def save_weights(self, filepath, overwrite: bool = True, finish=None, **kwargs) -> None:
+    def save_weights(self, filepath, overwrite: bool = True, finish=None, keep=(), **kwargs) -> None:
         """``model.save_weights`` (collective); ``finish(path)`` runs on rank 0 on the complete file before its
         rename (``BackupAndRestore`` marks its position in it).
 
         A ``.weights.json`` path, or ``max_shard_size``: Keras' sharded layout, a stage a rank (:mod:`.sharded`;
-        ``finish(metadata)`` then adds to the index's metadata).
+        ``finish(metadata)`` then adds to the index's metadata; ``keep``: other indexes whose shards stay).
         """
         if sharded.wants_sharded(filepath, kwargs.get("max_shard_size")):
-            sharded.save(self, filepath, overwrite, kwargs.pop("max_shard_size", None), finish)
+            sharded.save(self, filepath, overwrite, kwargs.pop("max_shard_size", None), finish, keep)
             return
         with self.whole_for_writing() as whole:
 

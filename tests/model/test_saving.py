@@ -11,8 +11,19 @@ def test_save_on_four_ranks_resume_on_two_and_open_in_plain_keras(tmp_path):
     saved = run_mpi(4, "saving.py", str(tmp_path), "save", timeout=240)
     assert saved.returncode == 0, saved.output
     assert saved.output.count("SAVED rank") == 4
-    written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["exported", "model.keras", "model.weights.h5", "predictions.npy"], written
+    written = sorted(p.name for p in tmp_path.iterdir() if "_stage" not in p.name)
+    assert written == [
+        "exported",
+        "model.keras",
+        "model.weights.h5",
+        "predictions.npy",
+        "sharded.weights.json",
+        "sharded_00000.weights.h5",
+        "small.weights.json",
+        "small_00000.weights.h5",
+    ], written
+    shards = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("sharded_stage"))
+    assert [name.split(".")[0] for name in shards] == [f"sharded_stage0000{s}-00000" for s in range(4)], shards
     assert saved.output.count("Params per stage") == 1, "summary() prints one table, on rank 0"
     assert saved.output.count(f"Saved artifact at '{tmp_path}/exported'") == 1, "export prints once, its own path"
 
@@ -24,6 +35,10 @@ def test_save_on_four_ranks_resume_on_two_and_open_in_plain_keras(tmp_path):
     resumed = run_mpi(2, "saving.py", str(tmp_path), "resume", timeout=240)
     assert resumed.returncode == 0, resumed.output
     assert resumed.output.count("RESUMED rank") == 2
+
+    replicas = run_mpi(4, "saving.py", str(tmp_path), "replicas", timeout=240)
+    assert replicas.returncode == 0, replicas.output
+    assert replicas.output.count("REPLICAS RESUMED rank") == 4, replicas.output
 
 
 def test_a_keras_hub_gpt2_saved_on_four_ranks_opens_in_plain_keras_and_resumes_on_two(tmp_path):
