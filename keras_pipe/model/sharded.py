@@ -48,7 +48,7 @@ from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError, PipelineIOError
 from keras_pipe.model.transfer import ROOT, on_root, trainable_index
 from keras_pipe.model.weights import ordered, read_held
-from keras_pipe.mpi.files import atomic_path, is_remote, write_text
+from keras_pipe.mpi.files import atomic_path, describe_unreadable, is_remote, write_text
 
 INDEX = ".weights.json"
 OPTIMIZER = "optimizer"
@@ -398,6 +398,11 @@ def load(saver, filepath, skip_mismatch: bool = False) -> None:
     optimizer = getattr(whole, "optimizer", None)
 
     def load_all():
+        try:
+            with open(filepath) as f:
+                json.load(f)["weight_map"]
+        except Exception as failure:  # noqa: BLE001 - said as what it is: missing, damaged, not an index
+            raise PipelineIOError(describe_unreadable(filepath, failure)) from failure
         compat.load_weights_only(whole, filepath, skip_mismatch, [optimizer] if optimizer is not None else None)
         _load_optimizer(saver, filepath)
 

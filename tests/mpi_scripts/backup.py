@@ -2,10 +2,12 @@
 
 Usage: backup.py TMPDIR crash|kill-in-backup|resume.
 
-``crash``: rank 1 raises in epoch 2. ``kill-in-backup``: rank 0 is killed
-(SIGKILL) in the middle of writing the backup at the end of epoch 2; the last
-good backup (end of epoch 1) is kept, so ``resume`` still ends as an
-uninterrupted run.
+``crash``: rank 1 raises in epoch 2. ``kill-in-backup``: the rank writing the
+second Dense's weights is killed (SIGKILL) in the middle of writing its shard of
+the backup at the end of epoch 2; the last good backup (end of epoch 1) is
+kept, so ``resume`` still ends as an uninterrupted run. The backup is a sharded
+checkpoint (``latest.weights.json``), which ``resume`` may read on another
+number of ranks.
 """
 
 import sys
@@ -22,8 +24,8 @@ x, y, sw = data(n=203)
 class Crash(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
-        if mode == "kill-in-backup" and epoch == 2 and RANK == 0:
-            SaveFault.armed = "kill"  # the backup written at the end of this epoch
+        if mode == "kill-in-backup" and epoch == 2:
+            SaveFault.armed = "kill"  # the backup written at the end of this epoch, on the rank that writes it
 
     def on_train_batch_end(self, batch, logs=None):
         if mode == "crash" and self.epoch == 2 and batch == 3 and RANK == 1:
