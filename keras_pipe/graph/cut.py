@@ -94,10 +94,6 @@ class Graph:
         """The node that writes ``tensor``, or ``MODEL_INPUT``."""
         return self._producers()[tensor]
 
-    def consumers(self, tensor: int) -> list[int]:
-        """The nodes that read ``tensor``, in order."""
-        return [n for n, node in enumerate(self.nodes) if tensor in node.inputs]
-
     def _producers(self) -> dict:
         producers = {t: MODEL_INPUT for t in self.inputs}
         for n, node in enumerate(self.nodes):
@@ -177,11 +173,6 @@ class Cut:
             if node in stage.nodes:
                 return stage.index
         raise IndexError(node)
-
-    def stage_of_tensor(self, tensor: int) -> int:
-        """The stage that computes ``tensor`` (0 for a model input)."""
-        producer = self.graph.producer(tensor)
-        return 0 if producer == MODEL_INPUT else self.stage_of_node(producer)
 
 
 def cut(graph: Graph, sizes: Sequence[int]) -> Cut:

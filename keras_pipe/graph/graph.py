@@ -85,13 +85,6 @@ class ModelGraph:
     weight_order: list
     notes: list = field(default_factory=list)  # layers that hold much and could not be split, and why
 
-    def unit_weights(self, unit: str) -> list:
-        return list(self.units[unit].weights)
-
-    def input_structure(self):
-        """The model's inputs as it takes them (a tensor, list or dict of ``KerasTensor``s)."""
-        return self.model._inputs_struct
-
     def output_structure(self):
         return self.model._outputs_struct
 
