@@ -1,5 +1,6 @@
 """pipeline -> .keras -> plain Keras -> pipeline on another number of ranks."""
 
+import json
 import subprocess
 import sys
 
@@ -67,13 +68,18 @@ def test_a_save_that_fails_part_way_leaves_the_previous_file_loadable(tmp_path):
         assert f"PREVIOUS FILES INTACT after {what}" in launch.output, launch.output
 
 
-@pytest.mark.parametrize("target", ["model", "weights"])
-def test_killing_rank_0_while_it_saves_leaves_the_previous_file(tmp_path, target):
+@pytest.mark.parametrize("target", ["model", "weights", "sharded"])
+def test_killing_a_rank_while_it_saves_leaves_the_previous_file(tmp_path, target):
+    """Rank 0 writing a whole-model file; with ``sharded``, whichever rank writes the failing layer's shard."""
     killed = run_mpi(2, "save_faults.py", str(tmp_path), "kill", target, timeout=240)
     assert killed.returncode != 0, killed.output
     assert "the save completed" not in killed.output, killed.output
-    partial = [p.name for p in tmp_path.iterdir() if "partial" in p.name]
-    assert partial, f"rank 0 was not killed in the middle of its write: {sorted(tmp_path.iterdir())}"
+    if target == "sharded":
+        committed = json.loads((tmp_path / "model.weights.json").read_text())["metadata"]["keras_pipe"]["save"]
+        partial = [p.name for p in tmp_path.glob("model_stage*") if f".{committed}." not in p.name]
+    else:
+        partial = [p.name for p in tmp_path.iterdir() if "partial" in p.name]
+    assert partial, f"no rank was killed in the middle of its write: {sorted(tmp_path.iterdir())}"
     plain = subprocess.run(
         [sys.executable, str(SCRIPTS / "plain_check.py"), str(tmp_path)],
         capture_output=True,

@@ -11,7 +11,9 @@ damaged, an empty and a random-bytes file are reported as such, not "File not
 found"; ``overwrite=False`` over an existing file is refused.
 
 ``kill``: the good files are saved, then rank 0 is killed (SIGKILL) in the middle
-of writing each again; the test then opens them with plain Keras.
+of writing each again; the test then opens them with plain Keras. ``kill sharded``:
+the rank writing the failing layer's shard of ``model.weights.json`` (a sharded
+checkpoint, a stage a rank) is killed in the middle of writing it.
 """
 
 import os
@@ -33,8 +35,10 @@ model = PipelineModel(save_fault_chain(), num_microbatches=2)
 model.compile(**compile_args())
 model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 model_file, weights_file = f"{tmp}/model.keras", f"{tmp}/model.weights.h5"
+sharded_file = f"{tmp}/model.weights.json"
 model.save(model_file)
 model.save_weights(weights_file)
+model.save_weights(sharded_file)
 saved = model.get_weights()
 if RANK == 0:
     np.save(f"{tmp}/saved.npy", np.concatenate([w.ravel() for w in saved]))
@@ -57,20 +61,25 @@ def check_previous_files_intact(what):
     plain = keras.models.load_model(model_file)  # plain Keras, no keras_pipe
     for a, b in zip(plain.get_weights(), saved):
         np.testing.assert_array_equal(a, b, err_msg=f"{model_file} after {what}")
-    sequential = keras.Sequential(save_fault_chain())
-    sequential.load_weights(weights_file)
-    for a, b in zip(sequential.get_weights(), saved):
-        np.testing.assert_array_equal(a, b, err_msg=f"{weights_file} after {what}")
+    for path in (weights_file, sharded_file):
+        sequential = keras.Sequential(save_fault_chain())
+        sequential.load_weights(path)
+        for a, b in zip(sequential.get_weights(), saved):
+            np.testing.assert_array_equal(a, b, err_msg=f"{path} after {what}")
     left = [name for name in os.listdir(tmp) if "partial" in name]
     assert not left, f"partial files left after {what}: {left}"
+    shards = sorted(name for name in os.listdir(tmp) if name.startswith("model_stage"))
+    assert len(shards) == 2, f"a failed sharded save's shards are removed, the previous save's kept: {shards}"
     print(f"PREVIOUS FILES INTACT after {what}", flush=True)
 
 
 if mode == "kill":
-    SaveFault.armed = "kill" if RANK == 0 else None
     target = sys.argv[3]
+    SaveFault.armed = "kill" if RANK == 0 or target == "sharded" else None
     if target == "model":
         model.save(model_file)
+    elif target == "sharded":  # (whichever rank holds the failing layer is killed writing its shard)
+        model.save_weights(sharded_file)
     else:
         model.save_weights(weights_file)
     print(f"rank {RANK}: the save completed although rank 0 was to be killed", flush=True)
@@ -80,6 +89,7 @@ if mode == "kill":
 SaveFault.armed = "raise"
 expect_io_error(lambda: model.save(model_file), "save with a failing layer", "a layer failed while")
 expect_io_error(lambda: model.save_weights(weights_file), "save_weights with a failing layer", "a layer failed")
+expect_io_error(lambda: model.save_weights(sharded_file), "a sharded save with a failing layer", "a layer failed")
 SaveFault.armed = None
 check_previous_files_intact("an exception part way")
 
