@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
+from keras.src.saving import saving_lib
+
 
 def keras_pickle_bytes(model) -> bytes:
     """What Keras' own ``pickle.dumps(model)`` holds: the model as ``.keras`` bytes (``KerasSaveable.__reduce__``).
@@ -70,7 +74,7 @@ def own_variables(layer) -> list:
     return list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", []))
 
 
-def save_state(model, store, skip=()) -> None:
+def save_state(model, store, skip=(), assets=None) -> None:
     """Keras' own walk of ``model`` into a weights ``store`` (``saving_lib._save_state``, Keras 3.0-3.15), the
     objects in ``skip`` (an optimizer) and everything under them left out.
 
@@ -81,7 +85,132 @@ def save_state(model, store, skip=()) -> None:
     from keras.src.saving import saving_lib
 
     skipped = {id(s) for s in skip}
-    saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="", visited_saveables=skipped)
+    saving_lib._save_state(model, weights_store=store, assets_store=assets, inner_path="", visited_saveables=skipped)
+
+
+def load_state(model, filepath: str, skip_mismatch: bool = False, skip=()) -> None:
+    """Keras' ``load_weights`` of a ``.weights.h5``, ``.weights.json`` or ``.keras`` file into ``model`` (its walk,
+    ``saving_lib._load_state``, and its error for what could not be read, as ``saving_lib.load_weights_only``
+    does, Keras 3.12-3.15), without its check that the model is built, ``skip``'s objects left out.
+
+    Why: a pipeline's rank walks the whole model of its own layers, a
+    chain's in a ``Sequential`` it cannot build (building calls other
+    stages' layers, whose weights it does not hold).
+    """
+    import zipfile
+
+    filepath = str(filepath)
+    archive = None
+    if filepath.endswith(".weights.json"):
+        store = saving_lib.ShardedH5IOStore(filepath, mode="r")
+    elif filepath.endswith(".keras"):
+        archive = zipfile.ZipFile(filepath, "r")
+        store = saving_lib.H5IOStore(saving_lib._VARS_FNAME_H5, archive=archive, mode="r")
+    else:
+        store = saving_lib.H5IOStore(filepath, mode="r")
+    failed, errors = set(), {}
+    try:
+        saving_lib._load_state(
+            model,
+            weights_store=store,
+            assets_store=None,
+            inner_path="",
+            skip_mismatch=skip_mismatch,
+            visited_saveables={id(s) for s in skip},
+            failed_saveables=failed,
+            error_msgs=errors,
+        )
+    finally:
+        store.close()
+        if archive is not None:
+            archive.close()
+    if failed:
+        saving_lib._raise_loading_failure(errors, warn_only=skip_mismatch)
+
+
+def entry_path(store) -> str:
+    """The path of the entry a Keras weights store is at (``H5IOStore._h5_entry_path``, set by ``make`` and ``get``,
+    Keras 3.0-3.15): inside a layer's ``save_own_variables`` or ``load_own_variables``, that layer's path."""
+    return store._h5_entry_path
+
+
+def entry_paths(model) -> dict:
+    """``{path: layer}`` for every layer holding variables of its own, at the path Keras' walk writes it
+    (:func:`save_state` with a store that records, writes nothing and allocates nothing)."""
+    recorder = _PathRecorder()
+    layers = [layer for layer in model._flatten_layers() if own_variables(layer)]
+    for layer in layers:
+        object.__setattr__(layer, "save_own_variables", lambda store, layer=layer: recorder.found(layer))
+    try:
+        optimizer = getattr(model, "optimizer", None)
+        save_state(model, recorder, skip=[optimizer] if optimizer is not None else [])
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("save_own_variables", None)
+    return recorder.paths
+
+
+def write_keras_archive(filepath: str, model, write_weights) -> None:
+    """Writes ``model``'s ``.keras`` file as Keras does (``saving_lib._save_model_to_fileobj``, Keras 3.0-3.15): its
+    metadata and config, then ``write_weights(store, assets)`` into an HDF5 store on a temporary file beside it,
+    added to the archive from the disk.
+
+    Why: Keras keeps the weights file in memory while it writes an archive
+    whose weights fit in memory; a pipeline's rank 0 writes the whole model's
+    weights one entry at a time, as their owners send them, and must not hold
+    them all.
+    """
+    import os
+    import tempfile
+    import zipfile
+
+    from keras.src.saving import saving_lib
+
+    config_json, metadata_json = saving_lib._serialize_model_as_json(model)
+    with open(filepath, "wb") as f, zipfile.ZipFile(f, "w") as archive:
+        archive.writestr(saving_lib._METADATA_FILENAME, metadata_json)
+        archive.writestr(saving_lib._CONFIG_FILENAME, config_json)
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(filepath)), suffix=".h5") as weights:
+            store = saving_lib.H5IOStore(weights.name, mode="w")
+            assets = saving_lib.DiskIOStore(saving_lib._ASSETS_DIRNAME, archive=archive, mode="w")
+            try:
+                write_weights(store, assets)
+            finally:
+                store.close()
+                assets.close()
+            archive.write(weights.name, saving_lib._VARS_FNAME_H5)
+
+
+def read_keras_config(filepath: str) -> dict:
+    """A ``.keras`` file's model config (``config.json``, Keras 3.0-3.15's archive), without its weights."""
+    import json
+    import zipfile
+
+    from keras.src.saving import saving_lib
+
+    with zipfile.ZipFile(filepath) as archive:
+        return json.loads(archive.read(saving_lib._CONFIG_FILENAME))
+
+
+@contextlib.contextmanager
+def weights_reader(filepath: str):
+    """Keras' store of a one-file weights file (``.weights.h5``, or a ``.keras`` archive's ``model.weights.h5``)
+    at its optimizer's entry, or ``None`` where it has none (``saving_lib.H5IOStore``, Keras 3.0-3.15)."""
+    import zipfile
+
+    archive = zipfile.ZipFile(filepath, "r") if str(filepath).endswith(".keras") else None
+    store = saving_lib.H5IOStore(saving_lib._VARS_FNAME_H5 if archive else filepath, archive=archive, mode="r")
+    try:
+        yield store.get("optimizer") if store.has_path("optimizer") else None
+    finally:
+        store.close()
+        if archive is not None:
+            archive.close()
+
+
+def weights_file_writer(filepath: str):
+    """Keras' store writing a ``.weights.h5`` file (``saving_lib.H5IOStore``, Keras 3.0-3.15)."""
+    return saving_lib.H5IOStore(filepath, mode="w")
 
 
 def weights_store_class():
@@ -153,3 +282,23 @@ def built_on(optimizer) -> list:
     inner = getattr(optimizer, "inner_optimizer", None)  # (LossScaleOptimizer builds its inner one on them)
     found = list(getattr(optimizer, "_trainable_variables", []) or [])
     return found or (built_on(inner) if inner is not None else [])
+
+
+class _PathRecorder(saving_lib.H5IOStore):
+    """A weights store for :func:`entry_paths`: ``make`` notes the path; nothing is written (no file)."""
+
+    def __init__(self):
+        self.paths, self.path = {}, None
+
+    def __bool__(self):
+        return True
+
+    def make(self, path, metadata=None):
+        self.path = path
+        return self
+
+    def found(self, layer) -> None:
+        self.paths[self.path] = layer
+
+    def __setitem__(self, key, value):  # (a layer whose save_own_variables was not replaced: nothing is kept)
+        pass

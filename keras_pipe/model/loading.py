@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zipfile
+
 import keras
 
 from keras_pipe import compat
@@ -14,10 +16,11 @@ from keras_pipe.mpi.comm import Communicator
 def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline_options):
     """Opens a ``.keras`` file saved by ``PipelineModel`` (on any number of ranks) or by plain Keras.
 
-    Rank 0 reads the file (with Keras' ``safe_mode``); every rank rebuilds
-    the model from its JSON config without allocating its weights, cuts it,
+    Rank 0 reads the file's config (with Keras' ``safe_mode``); every rank
+    rebuilds the model from it without allocating its weights, cuts it,
     allocates its own stage's and receives them with their optimizer state,
-    so training resumes exactly. A ``Sequential`` file gives a chain, any
+    entry by entry as rank 0 reads them (no rank holds more than its stage
+    and one layer's values), so training resumes exactly. A ``Sequential`` file gives a chain, any
     other model its own class's graph (a keras_hub ``GPT2CausalLM``).
 
     Example:
@@ -30,10 +33,14 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
     comm = Communicator()
 
     def read():
-        return read_whole(filepath, custom_objects, safe_mode)
+        if zipfile.is_zipfile(filepath):  # (a .keras file: its config only; the weights are read after, streamed)
+            return None, read_config(filepath, custom_objects, safe_mode)
+        whole, compile_config = read_whole(filepath, custom_objects, safe_mode)
+        return whole, _summary_of(whole, compile_config)
 
-    whole, compile_config = on_root(comm, read, f"load {filepath}", reading=filepath) or (None, None)
-    description = comm.bcast_json(_summary_of(whole, compile_config) if comm.rank == ROOT else None, root=ROOT)
+    whole, description = on_root(comm, read, f"load {filepath}", reading=filepath) or (None, None)
+    description = comm.bcast_json(description if comm.rank == ROOT else None, root=ROOT)
+    streamed = comm.bcast_json(whole is None if comm.rank == ROOT else None, root=ROOT)
     with keras.saving.custom_object_scope(custom_objects or {}):
         pipeline_options.setdefault("name", description["name"])
         if description["layers"] is not None:
@@ -47,8 +54,21 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
             model = PipelineModel.from_model(source, **pipeline_options)
         if description["compile"] is not None:
             model.compile_from_config(description["compile"])
-    load_into(model, whole)
+    if streamed:
+        model.load_weights(filepath)  # (rank 0 reads the archive's weights entry by entry: model/streaming.py)
+    else:
+        load_into(model, whole)
     return model
+
+
+def read_config(filepath, custom_objects=None, safe_mode: bool = True) -> dict:
+    """Rank 0: what every rank needs to make the pipeline of a ``.keras`` file (its layers' or model's config, its
+    compile config), from the file's config alone: the model is made without memory for its weights."""
+    config = compat.read_keras_config(filepath)
+    compile_config = config.pop("compile_config", None)
+    with keras.saving.custom_object_scope(custom_objects or {}), compat.unallocated_scope():
+        whole = keras.saving.deserialize_keras_object(config, safe_mode=safe_mode)
+    return _summary_of(whole, compile_config)
 
 
 def read_whole(filepath, custom_objects=None, safe_mode: bool = True):

@@ -28,7 +28,7 @@ from keras_pipe import compat
 from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import trace as traces
-from keras_pipe.model import sharded
+from keras_pipe.model import sharded, streaming
 from keras_pipe.model.building import input_of, map_specs
 from keras_pipe.model.transfer import ROOT, WholeArrays, fill, gathered, load_into, on_root
 from keras_pipe.model.weights import ordered
@@ -100,8 +100,25 @@ class ModelSaver:
     # -- files ------------------------------------------------------------------
 
     def save(self, filepath, overwrite: bool = True, zipped=None, **kwargs) -> None:
-        """``model.save``: rank 0 writes the whole model's ``.keras`` file (collective)."""
+        """``model.save``: rank 0 writes the whole model's ``.keras`` file (collective).
+
+        A ``.keras`` path: rank 0 writes each layer's weights as the stage answering for it sends them
+        (:mod:`.streaming`), holding its own stage and one layer's values; other formats (``zipped=False``, a
+        legacy ``.h5``) go through the whole model on rank 0.
+        """
         self.model.build()
+        if os.fspath(filepath).endswith(".keras") and zipped in (None, True) and not kwargs:
+
+            def write(write_entries):
+                with self.described() as whole:  # (its config and compile config; the weights are streamed)
+                    write_atomically(
+                        filepath,
+                        overwrite,
+                        lambda temporary: compat.write_keras_archive(temporary, whole, write_entries),
+                    )
+
+            streaming.save(self, write, f"save {filepath}")
+            return
         arguments = dict(kwargs)
         if zipped is not None:
             arguments["zipped"] = zipped
@@ -116,11 +133,29 @@ class ModelSaver:
         """``model.save_weights`` (collective); ``finish(path)`` runs on rank 0 on the complete file before its
         rename (``BackupAndRestore`` marks its position in it).
 
-        A ``.weights.json`` path, or ``max_shard_size``: Keras' sharded layout, a stage a rank (:mod:`.sharded`;
+        A ``.weights.h5`` path: rank 0 writes each layer's entry as the stage answering for it sends it
+        (:mod:`.streaming`). A ``.weights.json`` path, or ``max_shard_size``: Keras' sharded layout, a stage a
+        rank (:mod:`.sharded`;
         ``finish(metadata)`` then adds to the index's metadata; ``keep``: other indexes whose shards stay).
         """
         if sharded.wants_sharded(filepath, kwargs.get("max_shard_size")):
             sharded.save(self, filepath, overwrite, kwargs.pop("max_shard_size", None), finish, keep)
+            return
+        if os.fspath(filepath).endswith(".weights.h5") and not kwargs:
+
+            def write(write_entries):
+                def into(temporary):
+                    store = compat.weights_file_writer(temporary)
+                    try:
+                        write_entries(store)
+                    finally:
+                        store.close()
+                    if finish is not None:
+                        finish(temporary)
+
+                write_atomically(filepath, overwrite, into)
+
+            streaming.save(self, write, f"save weights to {filepath}")
             return
         with self.whole_for_writing() as whole:
 
@@ -170,11 +205,16 @@ class ModelSaver:
         """``model.load_weights``: rank 0 reads the file into the whole model; each stage gets its part.
 
         A ``.weights.json`` (Keras' sharded layout): every rank reads its own stage's values (:mod:`.sharded`).
+        A ``.weights.h5`` or ``.keras``: rank 0 reads it entry by entry, each sent to the ranks holding it
+        (:mod:`.streaming`).
         """
         if os.fspath(filepath).endswith(sharded.INDEX):
             if kwargs:
                 raise PipelineConfigError(f"load_weights got unexpected arguments {sorted(kwargs)}")
             sharded.load(self, filepath, skip_mismatch)
+            return
+        if os.fspath(filepath).endswith((".weights.h5", ".keras")) and not kwargs:
+            streaming.load(self, filepath, skip_mismatch)
             return
         self.model.build()
 
@@ -193,7 +233,7 @@ class ModelSaver:
 
     # -- the whole model on rank 0 ------------------------------------------------
 
-    def skeleton(self) -> keras.Model:
+    def skeleton(self, build_optimizer: bool = True) -> keras.Model:
         """The pipeline's model re-created whole from its configs, compiled as the pipeline is (for rank 0).
 
         A chain is the equivalent ``keras.Sequential``; a graph, its model's own
@@ -212,10 +252,10 @@ class ModelSaver:
             config = keras.saving.serialize_keras_object(builder.source)
             whole = keras.saving.deserialize_keras_object(config, safe_mode=False)
         if model.compiled:
-            compile_whole(whole, model.get_compile_config())
+            compile_whole(whole, model.get_compile_config(), build=build_optimizer)
         return whole
 
-    def of_layers(self, compiled: bool = True) -> keras.Model:
+    def of_layers(self, build_optimizer: bool = True) -> keras.Model:
         """The whole model made of this process's own layer objects (rank 0), for Keras to write.
 
         What :meth:`skeleton` falls back on when a layer cannot be rebuilt from
@@ -225,9 +265,7 @@ class ModelSaver:
         a new ``keras.Sequential`` of the pipeline's layers, a graph
         the model the pipeline was made of; compiled as the pipeline is.
         The layers of other stages hold no weights here: call it inside
-        :func:`compat.lent_values`, or walk it as :mod:`.sharded` does, each
-        rank writing or reading only its own (``compiled=False``: no optimizer,
-        which would hold every stage's slots).
+        :func:`compat.lent_values`.
         """
         model, builder = self.model, self.builder
         if builder.layers:
@@ -238,9 +276,38 @@ class ModelSaver:
             # keras.Model over a task's graph is one Keras cannot load again where a layer of a nested model is
             # called outside it too (a language model's head on its backbone's token embedding)
             whole = traces.source_of(builder.source) or builder.source
-        if model.compiled and compiled:
-            compile_whole(whole, model.get_compile_config())
+        if model.compiled:
+            compile_whole(whole, model.get_compile_config(), build=build_optimizer)
         return whole
+
+    def walked(self) -> keras.Model:
+        """The whole model of this process's own layers, for Keras' walk of its weights (every rank, no memory).
+
+        A chain's layers in a ``keras.Sequential`` left unbuilt (building it
+        would call another stage's layers, whose weights this rank does not
+        hold); a graph's, the model the pipeline was made of. Keras' walk names
+        each entry as in the unsplit model's file (:mod:`.sharded`, :mod:`.streaming`).
+        """
+        builder = self.builder
+        if builder.layers:
+            return keras.Sequential(list(builder.layers), name=self.model.name)
+        return traces.source_of(builder.source) or builder.source
+
+    @contextlib.contextmanager
+    def described(self):
+        """The whole model for its config and compile config (its optimizer not built), on rank 0, for the time of
+        writing a ``.keras`` file whose weights are streamed: rebuilt from the layers' configs without memory for
+        its weights, or where that fails (a layer Keras cannot rebuild), this process's own layers lent values."""
+        try:
+            with compat.unallocated_scope():
+                whole = self.skeleton(build_optimizer=False)
+        except Exception:  # noqa: BLE001 - a layer's from_config may raise anything; the layers themselves are written
+            whole = None
+        if whole is not None and len(whole.weights) == len(ordered(self.engine)):  # (LoRA: see rebuilt_or_none)
+            yield whole
+            return
+        with compat.lent_values([v for v, _, _ in ordered(self.engine)]):
+            yield self.of_layers(build_optimizer=False)
 
     def rebuilt_or_none(self) -> keras.Model | None:
         """:meth:`skeleton`, or ``None`` where the layers' configs cannot rebuild the model's weights.
@@ -354,15 +421,15 @@ def unpickled(cls, data: bytes, options: dict):
     return pipeline
 
 
-def compile_whole(whole, compile_config) -> None:
-    """Compiles ``whole`` as ``compile_config`` says, and builds its optimizer.
+def compile_whole(whole, compile_config, build: bool = True) -> None:
+    """Compiles ``whole`` as ``compile_config`` says, and builds its optimizer (unless ``build`` is false).
 
     Not ``compile_from_config``: Keras skips it for a model whose class has a
     ``compile()`` of its own (keras_hub's task models), which would keep that
     class's default optimizer.
     """
     whole.compile(**keras.saving.deserialize_keras_object(compile_config))
-    if whole.optimizer is not None and not whole.optimizer.built:
+    if build and whole.optimizer is not None and not whole.optimizer.built:
         whole.optimizer.build(whole.trainable_variables)
 
 

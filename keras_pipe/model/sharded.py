@@ -183,7 +183,7 @@ def _write_own_part(saver, base: str, save_id: str, limit: float, with_state: bo
     writer = _ShardWriter(lambda k: os.path.join(directory, shard_name(base, engine.stage, k, save_id)), limit)
     called, skipped, patched = [], [], []
     try:
-        whole = saver.of_layers(compiled=False)
+        whole = saver.walked()
         for layer in compat.sublayers(whole):
             own = compat.own_variables(layer)
             if not own:
@@ -224,8 +224,8 @@ def _write_optimizer(saver, writer, entries) -> None:
     the optimizer's own variables (iteration, learning rate) from the first stage."""
     model, engine = saver.model, saver.engine
     optimizer = model.optimizer
-    positions, local = _positions(model, entries)
-    owners = _trainable_owners(entries)
+    positions, local = optimizer_positions(model, entries)
+    owners = trainable_owners(entries)
     writer.make(OPTIMIZER, metadata={"name": optimizer.name})
     for (key, _), variable in zip(local, optimizer.variables):
         owner, _ = key
@@ -233,12 +233,12 @@ def _write_optimizer(saver, writer, entries) -> None:
             writer[str(positions[key])] = variable
 
 
-def _trainable_owners(entries) -> dict:
+def trainable_owners(entries) -> dict:
     index = trainable_index([v for v, _, _ in entries])
     return {index[id(v)]: owner for v, owner, _ in entries if id(v) in index}
 
 
-def _positions(model, entries):
+def optimizer_positions(model, entries):
     """``(key -> position in the unsplit optimizer's list, [(key, shape)] of this rank's optimizer.variables)``,
     checked against this rank's optimizer variable by variable."""
     optimizer = model.optimizer
@@ -394,7 +394,7 @@ def load(saver, filepath, skip_mismatch: bool = False) -> None:
     model, engine = saver.model, saver.engine
     model.build()
     filepath = os.fspath(filepath)
-    whole = saver.of_layers(compiled=False)
+    whole = saver.walked()
     optimizer = getattr(whole, "optimizer", None)
 
     def load_all():
@@ -403,7 +403,7 @@ def load(saver, filepath, skip_mismatch: bool = False) -> None:
                 json.load(f)["weight_map"]
         except Exception as failure:  # noqa: BLE001 - said as what it is: missing, damaged, not an index
             raise PipelineIOError(describe_unreadable(filepath, failure)) from failure
-        compat.load_weights_only(whole, filepath, skip_mismatch, [optimizer] if optimizer is not None else None)
+        compat.load_state(whole, filepath, skip_mismatch, [optimizer] if optimizer is not None else [])
         _load_optimizer(saver, filepath)
 
     read_held(engine, load_all, f"loading the sharded checkpoint {filepath}")
@@ -422,7 +422,7 @@ def _load_optimizer(saver, filepath: str) -> None:
             return
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        positions, local = _positions(model, ordered(engine))
+        positions, local = optimizer_positions(model, ordered(engine))
         store = reader.get(OPTIMIZER)
         count = len(store.keys())
         if count != len(positions):

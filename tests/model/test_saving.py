@@ -70,7 +70,8 @@ def test_a_save_that_fails_part_way_leaves_the_previous_file_loadable(tmp_path):
 
 @pytest.mark.parametrize("target", ["model", "weights", "sharded"])
 def test_killing_a_rank_while_it_saves_leaves_the_previous_file(tmp_path, target):
-    """Rank 0 writing a whole-model file; with ``sharded``, whichever rank writes the failing layer's shard."""
+    """Whichever rank writes the failing layer's values: sending them to rank 0 for a one-file save (rank 0 is
+    left with its partial file), writing its own shard of a sharded one."""
     killed = run_mpi(2, "save_faults.py", str(tmp_path), "kill", target, timeout=240)
     assert killed.returncode != 0, killed.output
     assert "the save completed" not in killed.output, killed.output

@@ -10,10 +10,11 @@ previous files still load, in plain Keras, with the first weights. Then: a
 damaged, an empty and a random-bytes file are reported as such, not "File not
 found"; ``overwrite=False`` over an existing file is refused.
 
-``kill``: the good files are saved, then rank 0 is killed (SIGKILL) in the middle
-of writing each again; the test then opens them with plain Keras. ``kill sharded``:
-the rank writing the failing layer's shard of ``model.weights.json`` (a sharded
-checkpoint, a stage a rank) is killed in the middle of writing it.
+``kill``: the good files are saved, then the rank writing the failing layer's
+values is killed (SIGKILL) in the middle of writing each again: into the one file
+rank 0 writes (``model``, ``weights``: the layer's stage sends them), or into its
+own shard of ``model.weights.json`` (``sharded``); the test then opens them with
+plain Keras.
 """
 
 import os
@@ -75,14 +76,14 @@ def check_previous_files_intact(what):
 
 if mode == "kill":
     target = sys.argv[3]
-    SaveFault.armed = "kill" if RANK == 0 or target == "sharded" else None
+    SaveFault.armed = "kill"  # (on every rank: the one holding the layer writes it)
     if target == "model":
         model.save(model_file)
     elif target == "sharded":  # (whichever rank holds the failing layer is killed writing its shard)
         model.save_weights(sharded_file)
     else:
         model.save_weights(weights_file)
-    print(f"rank {RANK}: the save completed although rank 0 was to be killed", flush=True)
+    print(f"rank {RANK}: the save completed although the layer's writer was to be killed", flush=True)
     sys.exit(3)
 
 # -- an exception part way through the write
