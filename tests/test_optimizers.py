@@ -24,9 +24,11 @@ REPLICATED = ["adam", "adamw", "adam_global_clipnorm", "loss_scale_adam"]
 FOUR_STAGES = ["sgd", "adam", "adamw", "adagrad", "ftrl", "lion", "adafactor", "adam_accumulation"]
 
 
-@pytest.mark.parametrize("nprocs, args", [(2, []), (4, []), (4, ["--stages", "2"])])
+# Two stages and two replicas of two also save each optimizer's state in a sharded checkpoint, which plain Keras and
+# the pipeline read and train on from (issue 59: the unsplit optimizer's order, read from its own build).
+@pytest.mark.parametrize("nprocs, args", [(2, ["--sharded"]), (4, []), (4, ["--stages", "2", "--sharded"])])
 def test_every_optimizer_steps_as_the_unsplit_model_on_sparse_gradients(nprocs, args):
-    cases = REPLICATED if args else OPTIMIZERS if nprocs == 2 else FOUR_STAGES
+    cases = REPLICATED if "--stages" in args else OPTIMIZERS if nprocs == 2 else FOUR_STAGES
     launch = run_mpi(nprocs, "sparse_optimizers.py", *args, *cases, timeout=900)
     assert launch.returncode == 0, launch.output
     for case in cases:

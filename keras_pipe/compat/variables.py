@@ -258,7 +258,8 @@ def held_only_loading():
                     return read(store, key)
                 finally:
                     reading.pop()
-                    store._h5_entry_group = current
+                    if store._h5_entry_group is group:  # (a sharded store that went to another shard came back itself)
+                        store._h5_entry_group = current
 
             return _Stored(read_now)
 

@@ -26,11 +26,11 @@ import numpy as np
 
 from keras_pipe import compat
 from keras_pipe.engine.options import PipelineOptions
-from keras_pipe.errors import PipelineConfigError
+from keras_pipe.errors import PipelineConfigError, PipelineIOError
 from keras_pipe.graph import trace as traces
 from keras_pipe.model import sharded, streaming
 from keras_pipe.model.building import input_of, map_specs
-from keras_pipe.model.transfer import ROOT, WholeArrays, fill, gathered, load_into, on_root
+from keras_pipe.model.transfer import ROOT, WholeArrays, fill, gathered, load_into, numpy_dtype, on_root
 from keras_pipe.model.weights import ordered
 from keras_pipe.mpi.files import atomic_path
 
@@ -89,7 +89,7 @@ class ModelSaver:
             return (type(model).from_config, (model.get_config(),))
         model.build()
         world = self.engine.world
-        with self.whole_for_writing() as whole:  # (collective: the whole model on rank 0, None elsewhere)
+        with self.whole_for_writing("pickling the model") as whole:  # (collective: the whole model on rank 0 alone)
             data = on_root(
                 world, lambda: np.frombuffer(compat.keras_pickle_bytes(whole), np.uint8), f"pickle {model.name!r}"
             )
@@ -122,7 +122,7 @@ class ModelSaver:
         arguments = dict(kwargs)
         if zipped is not None:
             arguments["zipped"] = zipped
-        with self.whole_for_writing() as whole:
+        with self.whole_for_writing(f"saving {filepath}") as whole:
 
             def write(temporary):
                 whole.save(temporary, **arguments)
@@ -157,7 +157,7 @@ class ModelSaver:
 
             streaming.save(self, write, f"save weights to {filepath}")
             return
-        with self.whole_for_writing() as whole:
+        with self.whole_for_writing(f"saving {filepath}") as whole:
 
             def write(temporary):
                 whole.save_weights(temporary, **kwargs)
@@ -178,7 +178,7 @@ class ModelSaver:
         if format not in EXPORT_FORMATS:  # (Keras' own check and words, on every rank before any communication)
             raise PipelineConfigError(f"Unrecognized format={format}. Supported formats are: {list(EXPORT_FORMATS)}.")
         self.model.build()
-        with self.whole_for_writing() as whole:
+        with self.whole_for_writing(f"export({filepath!r})") as whole:
 
             def write(temporary):
                 printed = io.StringIO()  # (Keras names the path it wrote: the partial one, renamed after)
@@ -323,6 +323,37 @@ class ModelSaver:
             return None
         return whole if len(whole.weights) == len(ordered(self.engine)) else None
 
+    def check_whole_fits(self, what: str, available: int | None = None) -> None:
+        """Refuses, alike on every rank and before anything moves, a route that builds the whole model on rank 0
+        (``to_keras``, ``export``, pickling, ``save_to_preset``) where rank 0's host has not the memory for it
+        (collective).
+
+        The need: the whole model's weights and optimizer state twice over
+        (the arrays gathered, and the model they fill). ``available``: the
+        bytes rank 0's host has (``MemAvailable``, Linux; unknown elsewhere:
+        no check).
+        """
+        engine, model = self.engine, self.model
+        optimizer = model.optimizer if model.compiled else None
+        here = 0
+        if engine.replica == 0:
+            here = sum(_nbytes(v) for v, owner, held in ordered(engine) if held and owner == engine.stage)
+            if optimizer is not None and optimizer.built:
+                here += sum(_nbytes(v) for v in optimizer.variables)
+        state = sum(engine.world.allgather_json(int(here)))
+        if engine.world.rank == 0 and available is None:
+            available = host_memory_available()
+        available = engine.world.bcast_json(available if engine.world.rank == 0 else None, root=0)
+        if available is not None and 2 * state > available:
+            gib = 1024**3
+            raise PipelineIOError(
+                f"{what} builds the whole model on rank 0: its weights and optimizer state ({state / gib:.1f} GiB), "
+                f"gathered and then set into the model, need about {2 * state / gib:.1f} GiB, and rank 0's host has "
+                f"{available / gib:.1f} GiB available. Save a sharded checkpoint instead, a stage a rank: "
+                "model.save_weights('ck.weights.json') (plain Keras' load_weights reads it where memory allows); "
+                "model.save('model.keras') also streams through rank 0 a layer at a time."
+            )
+
     def to_keras(self) -> keras.Model | None:
         """``model.to_keras()``: the whole model as one Keras model on rank 0 (``None`` elsewhere); collective.
 
@@ -332,6 +363,7 @@ class ModelSaver:
         this process's layers, lent every stage's weights for the moment (:meth:`_standalone`).
         """
         self.model.build()
+        self.check_whole_fits("to_keras()")
         parts = gathered(self.model)
         if parts is None:
             return None
@@ -356,7 +388,7 @@ class ModelSaver:
         return compat.keras_unpickle(data)
 
     @contextlib.contextmanager
-    def whole_for_writing(self):
+    def whole_for_writing(self, what: str = "writing the whole model"):
         """The whole model on rank 0 (``None`` elsewhere) for the time of writing it; collective.
 
         :meth:`to_keras`'s model, or where a layer cannot be rebuilt from its
@@ -364,6 +396,7 @@ class ModelSaver:
         that time (:meth:`of_layers`): Keras writes what it would write for the
         unsplit model, and only loading needs the layer's class.
         """
+        self.check_whole_fits(what)
         parts = gathered(self.model)
         if parts is None:
             yield None
@@ -457,3 +490,19 @@ def _tuple_specs(spec):
     if isinstance(spec, dict):
         return {k: _tuple_specs(v) for k, v in spec.items()}
     return [_tuple_specs(v) for v in spec]
+
+
+def host_memory_available() -> int | None:
+    """The bytes this host has available (Linux's ``MemAvailable``), or ``None`` where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape, dtype=np.int64)) * numpy_dtype(variable.dtype).itemsize

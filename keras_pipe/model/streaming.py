@@ -33,7 +33,7 @@ import numpy as np
 from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
 from keras_pipe.model import sharded
-from keras_pipe.model.transfer import ROOT
+from keras_pipe.model.transfer import ROOT, numpy_dtype
 from keras_pipe.model.weights import copy_from_first_replica, ordered
 from keras_pipe.mpi.comm import TAG_STATE
 from keras_pipe.mpi.files import describe_unreadable
@@ -65,16 +65,7 @@ def _send_bytes(comm, array: np.ndarray, dest: int) -> None:
 
 def _recv_array(comm, source: int, header: dict) -> np.ndarray:
     data = comm.recv(source, TAG_STATE, (), np.uint8)
-    return data.view(_dtype(header["dtype"])).reshape(header["shape"])
-
-
-def _dtype(name: str) -> np.dtype:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes  # (bfloat16 and the float8 types Keras writes)
-
-        return np.dtype(getattr(ml_dtypes, name))
+    return data.view(numpy_dtype(header["dtype"])).reshape(header["shape"])
 
 
 # -- who holds what -------------------------------------------------------------------------------

@@ -24,6 +24,16 @@ from keras_pipe.mpi.files import describe_unreadable
 ROOT = 0
 
 
+def numpy_dtype(name) -> np.dtype:
+    """NumPy's dtype of a Keras dtype's name, ``bfloat16`` and the float8 types (ml_dtypes') included."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, str(name)))
+
+
 # -- moving arrays between rank 0 and the stages ---------------------------
 
 

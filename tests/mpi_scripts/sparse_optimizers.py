@@ -19,6 +19,11 @@ form of gradient Keras' own step gives it (issue 39):
 ``--stages 2`` on four ranks: two replicas of a two-stage pipeline, whose
 sparse gradients are summed over the replicas as over micro-batches.
 
+``--sharded``: each case then saves a sharded checkpoint (``.weights.json``);
+plain Keras reads it on rank 0 (the weights, and the optimizer's state, which
+the next epoch shows) and trains one more epoch as the pipeline does; the
+pipeline reads it back and trains that epoch alike.
+
 Each optimizer trains the pipeline (4 micro-batches, 6 steps) and the unsplit
 model from the same weights; losses and every weight must agree.
 """
@@ -27,7 +32,7 @@ import sys
 
 import keras
 import numpy as np
-from common import SIZE, assert_close, trained_on_rank_0
+from common import RANK, SIZE, assert_close, trained_on_rank_0
 
 from keras_pipe import PipelineModel
 
@@ -115,7 +120,48 @@ def check(case, num_stages=None):
     assert_close(history["loss"], expected["history"]["loss"], f"{case} loss", 1e-5, 1e-6)
     for a, b, variable in zip(model.get_weights(), expected["weights"], reference.weights):
         assert_close(a, b, f"{case} weight {variable.path}", 1e-4, 2e-6)
+    if SHARDED:
+        check_sharded(case, model, compile_args, fit)
     print(f"SPARSE OK {case} ", flush=True)
+
+
+def check_sharded(case, model, compile_args, fit):
+    """The optimizer's state in a sharded checkpoint sits where the unsplit optimizer keeps it: plain Keras reads
+    the checkpoint and trains on as the pipeline does, and the pipeline reads it back and trains on alike."""
+    path = f"{DIRECTORY}/{case}.weights.json"
+    model.save_weights(path)
+    saved = model.get_weights()
+    one_more = dict(fit, epochs=1)
+    plain = None
+    if RANK == 0:
+        plain = make()
+        plain.compile(**compile_args())
+        plain.optimizer.build(plain.trainable_variables)
+        plain.load_weights(path)
+        for a, b in zip(plain.get_weights(), saved):
+            np.testing.assert_array_equal(a, b, err_msg=f"{case}: plain Keras reading the sharded checkpoint")
+        plain.fit(**one_more)
+    model.fit(**one_more)
+    on = model.get_weights()
+    model.load_weights(path)
+    for a, b in zip(model.get_weights(), saved):
+        assert_close(a, b, f"{case}: the pipeline reading its sharded checkpoint", 0, 0)
+    model.fit(**one_more)
+    for a, b in zip(model.get_weights(), on):
+        assert_close(a, b, f"{case}: the epoch after reading its sharded checkpoint", 1e-5, 1e-7)
+    if plain is not None:
+        for a, b, variable in zip(on, plain.get_weights(), plain.weights):
+            assert_close(a, b, f"{case}: plain Keras' epoch after reading the checkpoint {variable.path}", 1e-4, 2e-6)
+
+
+SHARDED = "--sharded" in sys.argv  # (each case also saves a sharded checkpoint: plain Keras and the pipeline read it)
+DIRECTORY = None
+if SHARDED:
+    import tempfile
+
+    from mpi4py import MPI
+
+    DIRECTORY = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="keras_pipe_sharded_") if RANK == 0 else None)
 
 
 if __name__ == "__main__":
