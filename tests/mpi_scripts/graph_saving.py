@@ -2,9 +2,10 @@
 
 Usage: graph_saving.py TMPDIR save|resume. ``save`` (4 ranks): 2 epochs of a
 ``GPT2CausalLM`` (its token embedding on the first and the last stage),
-``model.save`` and ``model.export``, predictions to a file. ``resume`` (2 ranks):
-``keras_pipe.load_model`` + 1 epoch equals 3 uninterrupted epochs of the
-unsplit model.
+``model.save``, a sharded checkpoint and ``model.export``, predictions to a
+file. ``resume`` (2 ranks): ``keras_pipe.load_model`` + 1 epoch equals 3
+uninterrupted epochs of the unsplit model; the sharded checkpoint read into a
+pipeline of 2 stages gives the saved predictions.
 """
 
 import sys
@@ -50,6 +51,7 @@ if mode == "save":
     model.fit(x, y, epochs=2, **fit_args)
     assert "token_embedding" in model.engine.cut.shared, model.engine.cut.shared
     model.save(f"{tmp}/model.keras")
+    model.save_weights(f"{tmp}/sharded.weights.json")  # (the tied embedding: written once, by its first holder)
     model.export(f"{tmp}/exported", verbose=False)
     predictions = model.predict(x, verbose=0)
     if RANK == 0:
@@ -59,6 +61,10 @@ else:
     model = keras_pipe.load_model(f"{tmp}/model.keras", num_microbatches=4)
     assert type(model.engine.graph.model).__name__ == "GPT2CausalLM", type(model.engine.graph.model)
     assert_close(model.predict(x, verbose=0), np.load(f"{tmp}/predictions.npy"), "predictions after loading")
+    sharded = keras_pipe.PipelineModel.from_model(make(), num_microbatches=2)
+    sharded.compile(**compile_args())
+    sharded.load_weights(f"{tmp}/sharded.weights.json")
+    assert_close(sharded.predict(x, verbose=0), np.load(f"{tmp}/predictions.npy"), "predictions of the sharded one")
     model.fit(x, y, epochs=1, **fit_args)
     reference = make()
     reference.compile(**compile_args())
