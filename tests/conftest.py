@@ -27,6 +27,7 @@ ones (a worker is given one test at a time: ``--maxschedchunk 1``).
 from __future__ import annotations
 
 import fcntl
+import inspect
 import os
 import shutil
 import tempfile
@@ -61,6 +62,9 @@ XLA_CACHE = "--tf_xla_persistent_cache_directory"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: measures time; runs with no other test at once under pytest-xdist")
+    config.addinivalue_line(
+        "markers", "mpi: launches ranks under mpirun (given to every such test; `-m 'not mpi'` is the fast tier)"
+    )
     if XLA_CACHE not in os.environ.get("TF_XLA_FLAGS", ""):
         # TensorFlow's own disk cache of XLA programs, for every process the session starts: most
         # launches compile programs another has compiled (the same test models, the same stages), and
@@ -85,6 +89,10 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _launches_ranks(item):
+            item.add_marker(pytest.mark.mpi)
+
     def rank(item):
         if item.get_closest_marker("alone") is not None:
             return len(LONGEST_FIRST) + 1  # last: then the other worker's tests are short ones
@@ -92,6 +100,33 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file's own order is kept
+
+
+_LAUNCHING = ("run_mpi(", "mpirun")
+
+
+def _launches_ranks(item) -> bool:
+    """Whether a test starts ranks: its function, or a function of its module it calls, names ``run_mpi`` or
+    ``mpirun`` (the tests in one process are the fast tier)."""
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    helpers = getattr(item.module, "_keras_pipe_launching_helpers", None)
+    if helpers is None:
+        helpers = set()
+        for name, value in vars(item.module).items():
+            if inspect.isfunction(value) and value.__module__ == item.module.__name__:
+                try:
+                    if any(text in inspect.getsource(value) for text in _LAUNCHING):
+                        helpers.add(name)
+                except (OSError, TypeError):
+                    pass
+        item.module._keras_pipe_launching_helpers = helpers
+    return any(text in source for text in _LAUNCHING) or any(f"{name}(" in source for name in helpers)
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.mpi  # (its cells launch mpirun)
 def test_tutorial_notebook_runs():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -31,6 +31,32 @@ def check() -> None:
         (keras.metrics.Mean(), "count"),
         *[(callback, name) for name in BACKUP_ATTRIBUTES],
     ]
+    from keras.src.saving import saving_lib
+
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    needed += [
+        (layer, "_trainable_variables"),
+        (layer, "_non_trainable_variables"),
+        (optimizer, "_trainable_variables"),
+        *[
+            (saving_lib, name)
+            for name in (
+                "_save_state",
+                "_load_state",
+                "_raise_loading_failure",
+                "_serialize_model_as_json",
+                "_METADATA_FILENAME",
+                "_CONFIG_FILENAME",
+                "_VARS_FNAME_H5",
+                "_ASSETS_DIRNAME",
+                "H5IOStore",
+                "ShardedH5IOStore",
+                "DiskIOStore",
+                "load_weights_only",
+            )
+        ],
+    ]
     missing = [f"{type(obj).__name__}.{name}" for obj, name in needed if not hasattr(obj, name)]
     try:
         _ = file_utils().exists

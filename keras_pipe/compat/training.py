@@ -99,6 +99,17 @@ def backup_paths(callback) -> dict:
     return {name.lstrip("_"): getattr(callback, name) for name in BACKUP_ATTRIBUTES[:6]}
 
 
+def set_backup_weights_paths(callback, weights_path: str, prev_weights_path: str) -> None:
+    """Sets ``BackupAndRestore``'s weights file and its previous one (``_weights_path``, ``_prev_weights_path``,
+    Keras 3.4-3.15).
+
+    Why: a pipeline's backup is a sharded checkpoint (``latest.weights.json``),
+    and code reading the callback's paths (Keras' own tests do) must find it.
+    """
+    callback._weights_path = weights_path
+    callback._prev_weights_path = prev_weights_path
+
+
 def replace_backup_io(callback, load, save) -> None:
     """Replaces ``BackupAndRestore._load_model`` and ``_save_model`` (Keras 3.4-3.15)."""
     callback._load_model = load

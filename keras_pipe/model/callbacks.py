@@ -342,6 +342,10 @@ def _tolerate_racing_directories(callback: keras.callbacks.ModelCheckpoint) -> N
 
 def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communicator) -> None:
     root = comm.rank == 0
+    # The backup's weights: a sharded checkpoint (model/sharded.py), each stage writing its own; no rank holds
+    # the whole model, which a backup written every epoch of a long run would otherwise need on rank 0.
+    weights_path = compat.backup_paths(callback)["weights_path"].replace(".weights.h5", ".weights.json")
+    compat.set_backup_weights_paths(callback, weights_path, f"{weights_path}.bkp")
     files = compat.file_utils()
 
     def position_of(weights_path, metadata_path):
@@ -371,7 +375,7 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             raise ValueError(
                 "To use the BackupAndRestore callback, build the model before fit() (start it with keras.Input)."
             )
-        paths = sharded_backup_paths(callback)
+        paths = compat.backup_paths(callback)
         try:
             restore(paths["weights_path"], paths["training_metadata_path"])
         except PipelineIOError as error:
@@ -404,7 +408,7 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
             restore(paths["weights_path"], paths["training_metadata_path"])
 
     def save_model():
-        paths = sharded_backup_paths(callback)
+        paths = compat.backup_paths(callback)
         if root:
             if not files.exists(callback.backup_dir):
                 files.makedirs(callback.backup_dir)
@@ -433,15 +437,6 @@ def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communica
 
 
 POSITION_ATTRIBUTE = "keras_pipe_backup_position"
-
-
-def sharded_backup_paths(callback) -> dict:
-    """``BackupAndRestore``'s files, its weights a sharded checkpoint (``latest.weights.json``, see
-    :mod:`keras_pipe.model.sharded`): each stage writes its own, and no rank holds the whole model."""
-    paths = compat.backup_paths(callback)
-    for name in ("weights_path", "prev_weights_path"):
-        paths[name] = paths[name].replace(".weights.h5", ".weights.json")
-    return paths
 
 
 def _backup_to_read(weights_path: str) -> str:

@@ -70,17 +70,17 @@ def test_a_save_that_fails_part_way_leaves_the_previous_file_loadable(tmp_path):
 
 @pytest.mark.parametrize("target", ["model", "weights", "sharded"])
 def test_killing_a_rank_while_it_saves_leaves_the_previous_file(tmp_path, target):
-    """Whichever rank writes the failing layer's values: sending them to rank 0 for a one-file save (rank 0 is
-    left with its partial file), writing its own shard of a sharded one."""
+    """Whichever rank writes the failing layer's values: sending them to rank 0 for a one-file save (rank 0's
+    partial file is left, or removed as rank 0 unwinds), writing its own shard of a sharded one (left, named by
+    no index)."""
     killed = run_mpi(2, "save_faults.py", str(tmp_path), "kill", target, timeout=240)
     assert killed.returncode != 0, killed.output
     assert "the save completed" not in killed.output, killed.output
+    assert "killed while it writes the weights" in killed.output, killed.output
     if target == "sharded":
         committed = json.loads((tmp_path / "model.weights.json").read_text())["metadata"]["keras_pipe"]["save"]
         partial = [p.name for p in tmp_path.glob("model_stage*") if f".{committed}." not in p.name]
-    else:
-        partial = [p.name for p in tmp_path.iterdir() if "partial" in p.name]
-    assert partial, f"no rank was killed in the middle of its write: {sorted(tmp_path.iterdir())}"
+        assert partial, f"no rank was killed in the middle of writing its shard: {sorted(tmp_path.iterdir())}"
     plain = subprocess.run(
         [sys.executable, str(SCRIPTS / "plain_check.py"), str(tmp_path)],
         capture_output=True,

@@ -186,6 +186,7 @@ class SaveFault(keras.layers.Dense):
         if SaveFault.armed == "raise":
             raise RuntimeError("a layer failed while its weights were written")
         if SaveFault.armed == "kill":
+            print(f"rank {RANK}: killed while it writes the weights of {self.name}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
