@@ -292,7 +292,10 @@ def mixtral(case):
         return keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
 
     padding = (tokens != 0).astype("int32")
-    compare(case, make, adamw_lm, {"token_ids": tokens, "padding_mask": padding}, shifted(tokens), num_microbatches=4)
+    # (atol 1e-5: the routed experts' sums of micro-batch-sized products round apart by up to 5.3e-6 on logits near
+    # zero where TensorFlow runs Eigen's kernels, not oneDNN's: an AVX2 processor; 2e-6 held on oneDNN's)
+    inputs = {"token_ids": tokens, "padding_mask": padding}
+    compare(case, make, adamw_lm, inputs, shifted(tokens), tolerance=(2e-5, 1e-5), num_microbatches=4)
 
     # with the router's loss: a warning naming each decoder layer, on every rank, at the first batch
     keras.utils.set_random_seed(11)
