@@ -307,38 +307,44 @@ class _Wanted:
 
 
 def _root_load(saver, comm, whole, filepath: str, skip_mismatch: bool, wanted):
-    engine = saver.engine
     error = None
     try:
-        places = layer_places(engine, whole)
-        patched = []
-        for layer in compat.sublayers(whole):
-            if compat.own_variables(layer):
-                _, holders = places[id(layer)]
-                if holders != {ROOT}:
-                    own = type(layer).load_own_variables
-                    object.__setattr__(
-                        layer,
-                        "load_own_variables",
-                        lambda store, layer=layer, holders=holders, own=own: _push_entry(
-                            comm, store, holders, lambda values: own(layer, values)
-                        ),
-                    )
-                    patched.append(layer)
-        try:
-            optimizer = getattr(whole, "optimizer", None)
-            compat.load_state(whole, filepath, skip_mismatch, [optimizer] if optimizer is not None else [])
-        finally:
-            for layer in patched:
-                layer.__dict__.pop("load_own_variables", None)
-        if wanted is not None:
-            _push_optimizer(saver, comm, filepath, wanted)
+        with compat.readable_weights(filepath) as readable:
+            _root_read(saver, comm, whole, readable, skip_mismatch, wanted)
     except Exception as failure:  # noqa: BLE001 - every rank raises it
         error = describe_unreadable(filepath, failure) if not isinstance(failure, PipelineIOError) else failure.args[0]
         error = f"rank 0: {error}"
     for rank in range(1, comm.size):
         _send_json(comm, {"stop" if error else "done": True}, rank)
     return error
+
+
+def _root_read(saver, comm, whole, filepath: str, skip_mismatch: bool, wanted) -> None:
+    """Rank 0's walk of the file: its own layers loaded, the others' entries sent to their holders."""
+    engine = saver.engine
+    places = layer_places(engine, whole)
+    patched = []
+    for layer in compat.sublayers(whole):
+        if compat.own_variables(layer):
+            _, holders = places[id(layer)]
+            if holders != {ROOT}:
+                own = type(layer).load_own_variables
+                object.__setattr__(
+                    layer,
+                    "load_own_variables",
+                    lambda store, layer=layer, holders=holders, own=own: _push_entry(
+                        comm, store, holders, lambda values: own(layer, values)
+                    ),
+                )
+                patched.append(layer)
+    try:
+        optimizer = getattr(whole, "optimizer", None)
+        compat.load_state(whole, filepath, skip_mismatch, [optimizer] if optimizer is not None else [])
+    finally:
+        for layer in patched:
+            layer.__dict__.pop("load_own_variables", None)
+    if wanted is not None:
+        _push_optimizer(saver, comm, filepath, wanted)
 
 
 def _push_entry(comm, store, holders: set, load_here) -> None:
