@@ -508,7 +508,10 @@ class PipelineModel(keras.Model):
     def to_keras(self) -> keras.Model | None:
         """The whole model, weights and optimizer state, as one Keras model on rank 0 (``None`` elsewhere).
 
-        A chain is a ``keras.Sequential``; a graph its model's own class.
+        A chain is a ``keras.Sequential``; a graph its model's own class. Rank 0
+        holds the whole model: where its host has not the memory for it, every
+        rank raises first, naming the sharded checkpoint
+        (``save_weights("ck.weights.json")``), which needs no rank to hold it.
         """
         return self._saver.to_keras()
 
@@ -518,15 +521,18 @@ class PipelineModel(keras.Model):
     def save(self, filepath, overwrite: bool = True, zipped=None, **kwargs) -> None:
         """Writes one standard ``.keras`` file, from rank 0: the equivalent ``Sequential``.
 
-        Plain ``keras.models.load_model`` opens the file in one process,
-        without MPI or keras_pipe; :func:`keras_pipe.load_model` opens it on
-        any number of ranks.
+        Rank 0 writes each layer's values as its stage sends them, holding its
+        own stage and one layer. Plain ``keras.models.load_model`` opens the
+        file in one process, without MPI or keras_pipe;
+        :func:`keras_pipe.load_model` opens it on any number of ranks.
         """
         self._saver.save(filepath, overwrite, zipped, **kwargs)
 
     @collective
     def save_weights(self, filepath, overwrite: bool = True, **kwargs) -> None:
-        """Writes the whole model's weights (and optimizer state) to one ``.weights.h5`` file, from rank 0."""
+        """Writes the whole model's weights (and optimizer state) to one ``.weights.h5`` file, from rank 0, each
+        stage sending its layers' values; a ``.weights.json`` path (or ``max_shard_size=``): Keras' sharded layout,
+        every stage writing its own shard files, rank 0 the index last."""
         self._saver.save_weights(filepath, overwrite, **kwargs)
 
     @collective
@@ -534,13 +540,16 @@ class PipelineModel(keras.Model):
         """As ``keras.Model.export``, from rank 0: the whole model's serving artifact (a SavedModel by default).
 
         What Keras exports for the equivalent unsplit model; it serves in one
-        process without MPI or keras_pipe (``tf.saved_model.load``).
+        process without MPI or keras_pipe (``tf.saved_model.load``). Rank 0
+        holds the whole model to export it (checked against its host's memory
+        first, as :meth:`to_keras`).
         """
         self._saver.export(filepath, format, verbose, input_signature, **kwargs)
 
     @collective
     def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs) -> None:
-        """Reads a ``.weights.h5`` file of this model (or its ``Sequential``) on rank 0; each stage gets its part."""
+        """Reads a ``.weights.h5`` or ``.keras`` file of this model (or its ``Sequential``) on rank 0, entry by entry,
+        each stage getting its part; a ``.weights.json`` (sharded) is read by every rank, each its own values."""
         self._saver.load_weights(filepath, skip_mismatch, **kwargs)
 
     # -- keras_hub's task methods (keras_pipe.model.hub) ---------------------------------------

@@ -1,17 +1,21 @@
-"""Saving and loading a pipeline as the equivalent ``keras.Sequential``.
+"""Saving and loading a pipeline as the equivalent unsplit Keras model, and the routes between them.
 
 A ``PipelineModel`` saved with ``model.save("model.keras")`` (called on every
 rank, as in any Keras script) is one standard ``.keras`` file, written by
-rank 0 alone: the equivalent ``keras.Sequential`` with every stage's weights
-and optimizer state. Plain ``keras.models.load_model`` opens it without MPI
-or keras_pipe; :func:`load_model` opens it (or any ``Sequential`` file) on
-any number of ranks. Files are read on rank 0 only and each stage receives
-its part, so the ranks need not share a filesystem.
+rank 0 alone as each stage sends its layers' values (:mod:`.streaming`): the
+equivalent ``keras.Sequential`` (or the model's own class) with every
+stage's weights and optimizer state. Plain ``keras.models.load_model`` opens
+it without MPI or keras_pipe; :func:`load_model` opens it (or any
+``Sequential`` file) on any number of ranks, rank 0 reading it entry by
+entry, so the ranks need not share a filesystem. A ``.weights.json`` path is
+Keras' sharded layout, written and read a stage a rank (:mod:`.sharded`).
 
-Rank 0 holds the whole model while saving or loading: the file format has
-no per-stage shards. :class:`ModelSaver` does the model's saving methods
-(the model holds one and delegates to it); :func:`from_config` and
-:func:`unpickled` make a model from a config or a pickle.
+What needs the whole model in one process (``to_keras``, ``export``,
+pickling, other formats) builds it on rank 0, after checking rank 0's host
+has the memory (:meth:`ModelSaver.check_whole_fits`). :class:`ModelSaver`
+does the model's saving methods (the model holds one and delegates to it);
+:func:`from_config` and :func:`unpickled` make a model from a config or a
+pickle.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Internal: a whole model's arrays between rank 0 and the stages: weights and optimizer state, gathered and given.
 
-Saving and loading hold the whole model on rank 0 alone (the file format has
-no per-stage shards): :func:`gathered` brings every stage's weights and
-optimizer state there, :func:`load_into` gives each stage its part of a
+The routes that need the whole model in one process (``to_keras``,
+``export``, pickling) hold it on rank 0 alone: :func:`gathered` brings every
+stage's weights and optimizer state there, :func:`load_into` gives each stage its part of a
 whole model's. Optimizer slots are keyed by the model-wide index of their
 weight (:func:`optimizer_state`), so that a pipeline of any split and the
 unsplit model agree. :func:`on_root` runs a file's reading or writing on

@@ -9,7 +9,7 @@ epochs of Sequential; ``load_weights`` restores the saved weights. The sharded c
 next epoch equals the uninterrupted run's (the optimizer state came too); it saves a sharded
 checkpoint of its own.
 ``replicas`` (4 ranks, 2 stages x 2 replicas): that checkpoint of 2 ranks loads into each
-replica, and the next epoch equals 4 uninterrupted epochs.
+replica, and the next epoch equals 4 uninterrupted epochs; 4 replicas of one stage read it too.
 """
 
 import sys
@@ -62,6 +62,12 @@ elif mode == "replicas":
     _, sequential = reference(4)
     for a, b in zip(model.get_weights(), sequential.get_weights()):
         assert_close(a, b, "the epoch after a sharded checkpoint was read by replicas")
+    single = PipelineModel(layers(), num_stages=1, num_microbatches=2)  # four replicas of the whole model
+    single.compile(**compile_args())
+    single.load_weights(f"{tmp}/resharded.weights.json")
+    _, sequential = reference(3)
+    for a, b in zip(single.get_weights(), sequential.get_weights()):
+        assert_close(a, b, "a checkpoint of 2 ranks, read by 4 replicas of one stage")
     print(f"REPLICAS RESUMED rank {RANK}", flush=True)
 else:
     model = keras_pipe.load_model(f"{tmp}/model.keras", num_microbatches=4)
