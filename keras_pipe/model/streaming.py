@@ -197,13 +197,14 @@ class _Sender:
 class _Server:
     """A rank of the first replica other than 0: answers rank 0's requests until it is done."""
 
-    def __init__(self, saver, comm, whole, with_state: bool, skip_mismatch: bool = False):
-        self.saver, self.comm, self.whole, self.with_state = saver, comm, whole, with_state
-        self.skip_mismatch = skip_mismatch
+    def __init__(self, saver, comm, whole, with_state: bool, skip_mismatch: bool = False, by_position=None):
+        """``by_position``: this rank's optimizer variables by their position in the unsplit list, where the caller
+        has them already (loading: :func:`_wanted_positions`)."""
+        self.comm, self.skip_mismatch, self.by_position = comm, skip_mismatch, by_position
         self.problem = None
         try:
             self.by_path = compat.entry_paths(whole)
-            if with_state:
+            if with_state and by_position is None:
                 positions, local = sharded.optimizer_positions(saver.model, ordered(saver.engine))
                 self.by_position = {positions[k]: v for (k, _), v in zip(local, saver.model.optimizer.variables)}
         except Exception as failure:  # noqa: BLE001 - said in answer to rank 0's first request
@@ -276,7 +277,8 @@ def load(saver, filepath, skip_mismatch: bool = False) -> None:
         if problem is None and comm.rank == ROOT:
             problem = _root_load(saver, comm, whole, os.fspath(filepath), skip_mismatch, wanted)
         elif problem is None:
-            server = _Server(saver, comm, whole, optimizer is not None, skip_mismatch)
+            mine = wanted.mine if wanted is not None else None
+            server = _Server(saver, comm, whole, optimizer is not None, skip_mismatch, by_position=mine)
             problem = server.serve_loading()
             problem = None if problem is None else f"rank {world.rank}: {problem}"
     problems = [p for p in world.allgather_json(problem) if p]
