@@ -27,5 +27,14 @@ class PipelineIOError(CollectiveError, OSError):
     """Rank 0 could not read or write a file; every rank raises it."""
 
 
+class PipelineDataError(CollectiveError, ValueError):
+    """A first stage could not read its next batch (the user's dataset or generator raised); every rank raises it.
+
+    Only the first stage of each pipeline reads the data; the others learn
+    of the failure at the step's agreement and raise it too, naming the rank
+    and the error.
+    """
+
+
 class PipelineStallError(RuntimeError):
     """A rank waited longer than the stall timeout for a neighbour."""

@@ -59,6 +59,7 @@ from keras_pipe.compat.saving import (
 from keras_pipe.compat.tensors import call_concrete, executing_eagerly, get_mask, global_seed, set_mask, variable_handle
 from keras_pipe.compat.training import (
     BACKUP_ATTRIBUTES,
+    DataAdapter,
     apply_mask,
     backup_paths,
     compile_config_metrics,
@@ -93,6 +94,7 @@ from keras_pipe.compat.variables import (
 
 __all__ = [
     "BACKUP_ATTRIBUTES",
+    "DataAdapter",
     "DEFERRED_LOADS",
     "allocate_with",
     "allocating_scope",

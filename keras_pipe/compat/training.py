@@ -3,12 +3,16 @@
 The compiled loss and metrics and the loss tracker, which the last stage
 runs per micro-batch; ``BackupAndRestore``'s files and ``TensorBoard``'s
 model summary, which become collective under the pipeline; the loss helpers
-a micro-batch's loss is computed with.
+a micro-batch's loss is computed with; ``DataAdapter``, the base of what a
+stage that does not read the data gives Keras' loop in its place (Keras'
+``get_data_adapter`` takes an adapter as it is: Keras 3.0-3.15).
 """
 
 from __future__ import annotations
 
 import contextlib
+
+from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: F401 (re-exported)
 
 
 def compiled_loss(model):

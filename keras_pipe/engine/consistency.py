@@ -16,11 +16,13 @@ import hashlib
 
 import numpy as np
 
-from keras_pipe.errors import RankMismatchError
+from keras_pipe.errors import PipelineDataError, RankMismatchError
 from keras_pipe.mpi.comm import Communicator
 
 PHASES = {"train": 1, "test": 2, "predict": 3, "end": 4}
 _PHASE_NAMES = {code: name for name, code in PHASES.items()}
+FOLLOWS = -1  # a step header's state: this rank does not read the call's data, the readers' batch is its own
+FAILED = 2  # a step header's state: reading the batch raised
 
 
 class StepAgreement:
@@ -38,35 +40,82 @@ class StepAgreement:
         self.call = 0
         self.step = 0
         self.data_ranks = list(data_ranks or [])
+        self.key = 0  # the digest of the batch description the followers hold
+        self.description = None
 
     def begin_call(self) -> None:
         self.call += 1
         self.step = 0
 
     def agree(self, phase: str, has_data: bool, batch_size: int, digest: int = 0) -> None:
-        header = np.array([PHASES[phase], self.call, self.step, int(has_data), batch_size, digest], np.int64)
+        """Every rank has a batch of ``batch_size`` (or none): the step's header, compared on every rank."""
+        self.draw(phase, int(has_data), batch_size, digest)
+
+    def draw(
+        self,
+        phase: str,
+        state: int,
+        batch_size: int = 0,
+        digest: int = 0,
+        description=None,
+        key: int = 0,
+        error: str | None = None,
+    ) -> tuple[bool, int, object]:
+        """One step's header on every rank; returns the readers' ``(has data, batch size, description)``.
+
+        ``state``: ``1`` (a batch), ``0`` (no more data), :data:`FOLLOWS` (this
+        rank does not read this call's data: the readers' batch is its own) or
+        :data:`FAILED` (reading raised; ``error`` says what). A reader gives
+        ``description`` (JSON: its batch's structure, dtypes and shapes, what a
+        follower builds its stand-in from) and ``key``, a digest of it: the
+        description travels only when a follower has not seen it yet. A read
+        that failed on any rank is a :class:`PipelineDataError` on every rank.
+        """
+        header = np.array([PHASES[phase], self.call, self.step, state, batch_size, digest, key], np.int64)
         self.comm.doing = f"{phase} step {self.step}: checking that every rank has a batch"
         everyone = self.comm.allgather_array(header)
         self.step += 1
-        if (everyone[:, :5] == everyone[0, :5]).all():
-            digests = {int(everyone[rank, 5]) for rank in self.data_ranks}
-            if len(digests) <= 1:
-                return
-            raise (
-                RankMismatchError(
-                    f"the replicas read different batches at {_PHASE_NAMES[int(header[0])]} step {self.step - 1} "
-                    f"(batch digests of the first stages, ranks {self.data_ranks}: "
-                    f"{[format(int(everyone[r, 5]) & 0xFFFFFFFF, '08x') for r in self.data_ranks]}). Each replica "
-                    "trains on its share of one global batch, so every rank must read the same batches in the "
-                    "same order: give every rank the same data, and shuffle alike (fit() seeds TensorFlow's "
-                    "shuffling on every rank when no global seed is set; a tf.data pipeline or generator must "
-                    "use a fixed seed), or pass shuffle=False."
-                )
+        readers = [rank for rank in range(len(everyone)) if everyone[rank, 3] != FOLLOWS]
+        failed = [rank for rank in readers if everyone[rank, 3] == FAILED]
+        if failed:
+            text = self.comm.bcast_json(error if self.comm.rank == failed[0] else None, root=failed[0])
+            raise PipelineDataError(
+                f"rank {self.comm.world_rank_of(failed[0])}, which reads the data, could not read its batch for "
+                f"{_PHASE_NAMES[int(header[0])]} step {self.step - 1}: {text}"
             )
+        same_step = (everyone[:, :3] == everyone[0, :3]).all()
+        if not same_step or not (everyone[readers, 3:5] == everyone[readers[0], 3:5]).all():
+            self._out_of_step(everyone)
+        self._compare_digests(everyone, header)
+        root = readers[0]
+        if len(readers) < len(everyone) and everyone[root, 6] != self.key:
+            self.description = self.comm.bcast_json(description if self.comm.rank == root else None, root=root)
+            self.key = int(everyone[root, 6])
+        return bool(everyone[root, 3]), int(everyone[root, 4]), self.description
+
+    def _compare_digests(self, everyone, header) -> None:
+        digests = {int(everyone[rank, 5]) for rank in self.data_ranks}
+        if len(digests) <= 1:
+            return
+        raise (
+            RankMismatchError(
+                f"the replicas read different batches at {_PHASE_NAMES[int(header[0])]} step {self.step - 1} "
+                f"(batch digests of the first stages, ranks {self.data_ranks}: "
+                f"{[format(int(everyone[r, 5]) & 0xFFFFFFFF, '08x') for r in self.data_ranks]}). Each replica "
+                "trains on its share of one global batch, so every rank must read the same batches in the "
+                "same order: give every rank the same data, and shuffle alike (fit() seeds TensorFlow's "
+                "shuffling on every rank when no global seed is set; a tf.data pipeline or generator must "
+                "use a fixed seed), or pass shuffle=False."
+            )
+        )
+
+    def _out_of_step(self, everyone) -> None:
         rows = []
-        for rank, (code, call, step, data, size, _) in enumerate(everyone.tolist()):
+        for rank, (code, call, step, data, size, _, _) in enumerate(everyone.tolist()):
             state = f"{_PHASE_NAMES.get(code, code)}, call {call}, step {step}, " + (
-                f"batch of {size}" if data else "no more data"
+                "following the first stage's batch"
+                if data == FOLLOWS
+                else (f"batch of {size}" if data else "no more data")
             )
             rows.append(f"  rank {rank}: {state}")
         raise (
@@ -126,6 +175,9 @@ def describe_argument(value):
         return [describe_argument(v) for v in value]
     if isinstance(value, dict):
         return {str(k): describe_argument(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    described = getattr(value, "keras_pipe_described", None)  # (a follower: the kind of data it stands for)
+    if described is not None:
+        return described
     shape = getattr(value, "shape", None)
     if shape is not None:
         return {"shape": [None if d is None else int(d) for d in shape]}

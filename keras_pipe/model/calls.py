@@ -22,6 +22,7 @@ from keras_pipe.engine.consistency import COMPARED_ARGUMENTS, batch_digest, desc
 from keras_pipe.model import compile_checks
 from keras_pipe.model import weights as _weights
 from keras_pipe.model.callbacks import adapt_callbacks
+from keras_pipe.model.feeding import Feeding
 from keras_pipe.model.fingerprint import model_fingerprint
 from keras_pipe.mpi.agreement import check_same_everywhere
 
@@ -32,6 +33,7 @@ class CallPreparation:
     def __init__(self, model):
         self.model = model
         self.depth = 0  # calls in progress: fit's validation runs evaluate inside it
+        self.feeding = Feeding(model.engine, self.digest)  # (who reads the data: see feeding.py)
 
     @contextlib.contextmanager
     def prepare(self, name: str, method, args, kwargs):
@@ -64,11 +66,14 @@ class CallPreparation:
         steps = model._steps
         outer = steps.stand_in_inputs
         steps.stand_in_inputs = stand_in_inputs(model, arguments)
+        self.feeding.substitute(arguments)  # (datasets and generators: the first stage alone reads them)
         self.depth += 1
+        self.feeding.calls.append(name)
         try:
             yield arguments
         finally:
             self.depth -= 1
+            self.feeding.calls.pop()
             steps.stand_in_inputs = outer
         engine.steps.agree("end", False, 0)
 
@@ -85,18 +90,23 @@ def python_step_function(model, step, phase: str):
 
     The compute inside the step runs in compiled programs (see
     :mod:`keras_pipe.stage.compute`). Before each step the ranks agree that all of
-    them have a batch of the same size.
+    them have a batch of the same size: as Keras' loop draws it
+    (:mod:`keras_pipe.model.feeding`), or here for ``train_on_batch``'s.
     """
 
     def function(iterator):
         logs = None
+        agreed = model._calls.feeding.agreed(iterator)  # (Keras' loop's batches: agreed as they are drawn)
         for _ in range(model.steps_per_execution):
             try:
                 data = next(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 data = None
-            size = 0 if data is None else batch_size_of(data)
-            model.engine.steps.agree(phase, data is not None, size, model._calls.digest(data))
+            if agreed:
+                data = None if data is None else data.data
+            else:  # (train_on_batch's data, given to every rank)
+                size = 0 if data is None else batch_size_of(data)
+                model.engine.steps.agree(phase, data is not None, size, model._calls.digest(data))
             if data is None:
                 if logs is None:
                     raise StopIteration from None

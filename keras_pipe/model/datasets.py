@@ -43,16 +43,24 @@ def without_autotuning(dataset):
 class DatasetStrategy:
     """Keras' distribution strategy (TensorFlow's default one), whose datasets are :func:`without_autotuning`.
 
+    With ``feeding`` (a :class:`~keras_pipe.model.feeding.Feeding`), each
+    dataset is drawn through it: the ranks agree on each batch as Keras' loop
+    draws it, and the stages that do not read follow the first.
+
     Everything else is the wrapped strategy's.
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, feeding=None):
         self._strategy = strategy
+        self._feeding = feeding
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        return self._strategy.experimental_distribute_dataset(without_autotuning(dataset), options)
+        if self._feeding is not None and self._feeding.is_drawn(dataset):  # (a follower: nothing to distribute)
+            return dataset
+        dataset = self._strategy.experimental_distribute_dataset(without_autotuning(dataset), options)
+        return dataset if self._feeding is None else self._feeding.drawing(dataset)
 
     def __getattr__(self, name):
-        if name == "_strategy":  # (not yet set: a copy being made)
+        if name in ("_strategy", "_feeding"):  # (not yet set: a copy being made)
             raise AttributeError(name)
         return getattr(self._strategy, name)

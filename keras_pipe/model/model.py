@@ -320,7 +320,8 @@ class PipelineModel(keras.Model):
     @property
     def distribute_strategy(self):
         """Keras' strategy; Keras' loop gets its datasets from it with tf.data's autotuning off (see datasets.py)."""
-        return DatasetStrategy(super().distribute_strategy)
+        calls = self.__dict__.get("_calls")  # (None while keras.Model.__init__ runs)
+        return DatasetStrategy(super().distribute_strategy, None if calls is None else calls.feeding)
 
     @property
     def tracer(self):

@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.model.calls import batch_size_of, stood_in, target_likes
+from keras_pipe.model.feeding import Drawn
 from keras_pipe.stage.compute import Masked
 from keras_pipe.stage.losses import MicrobatchLoss
 
@@ -142,7 +143,10 @@ class ModelSteps:
         def predict_function(data):
             outputs = []
             for step_data in data:
-                engine.steps.agree("predict", True, batch_size_of(step_data), digest(step_data))
+                if isinstance(step_data, Drawn):  # (Keras' loop's batches: agreed as they were drawn)
+                    step_data = step_data.data
+                else:  # (predict_on_batch's)
+                    engine.steps.agree("predict", True, batch_size_of(step_data), digest(step_data))
                 outputs.append(model.predict_step(step_data))
             if len(outputs) == 1:
                 return outputs[0]

@@ -1,0 +1,37 @@
+"""Only a pipeline's first stage reads a dataset, a PyDataset or a generator; the other stages never call it.
+
+``tests/mpi_scripts/feeding.py`` counts, on every rank, the samples its data sources produce through whole
+``fit`` (two epochs, with validation), ``evaluate`` and ``predict`` calls, and compares the losses, metrics,
+weights and predictions with the unsplit model's.
+"""
+
+import json
+import re
+
+import pytest
+from mpi import run_mpi
+
+# What Keras' loop reads in one process for each case (``mpirun -n 1 feeding.py`` prints it): a PyDataset's
+# adapter reads some batches twice (Keras peeks at the first to learn their structure).
+ONE_PROCESS = {"tf.data": 512, "PyDataset": 720, "generator": 512, "infinite with class weights": 416}
+
+
+@pytest.mark.parametrize("ranks, stages", [(2, 2), (4, 2)], ids=["2 stages", "2 stages x 2 replicas"])
+def test_only_first_stages_read_and_training_matches(ranks, stages):
+    launch = run_mpi(ranks, "feeding.py", "--stages", str(stages), timeout=400)
+    assert launch.returncode == 0, launch.output
+    readers = set(range(0, ranks, stages))
+    for case, needed in ONE_PROCESS.items():
+        counts = re.findall(rf"FEED {re.escape(case)} counts (\[[0-9, ]*\])", launch.output)
+        assert counts, launch.output
+        counts = json.loads(counts[0])
+        assert counts == [needed if rank in readers else 0 for rank in range(ranks)], (case, counts)
+        assert launch.output.count(f"FEED {case} OK") == ranks, launch.output
+    broken = re.findall(r"FEED broken map error (.*)", launch.output)
+    assert len(broken) == ranks and all(
+        line.startswith("PipelineDataError: rank 0, which reads the data, could not read its batch")
+        and "cannot decode sample 64" in line
+        for line in broken
+    ), broken
+    wrong = re.findall(r"FEED wrong shape error (.*)", launch.output)
+    assert len(wrong) == ranks and len(set(wrong)) == 1 and wrong[0].startswith("ValueError: Input 0"), wrong
