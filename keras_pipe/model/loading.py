@@ -44,7 +44,9 @@ def load_model(filepath, custom_objects=None, safe_mode: bool = True, **pipeline
     with keras.saving.custom_object_scope(custom_objects or {}):
         pipeline_options.setdefault("name", description["name"])
         if description["layers"] is not None:
-            layers = [keras.saving.deserialize_keras_object(c, safe_mode=safe_mode) for c in description["layers"]]
+            # (Keras builds a layer from its config's build_config: unallocated, each rank then allocates its own)
+            with compat.unallocated_scope():
+                layers = [keras.saving.deserialize_keras_object(c, safe_mode=safe_mode) for c in description["layers"]]
             shape, dtype = description["input"]
             model = PipelineModel([keras.Input(batch_shape=tuple(shape), dtype=dtype), *layers], **pipeline_options)
             model.build()
