@@ -22,6 +22,13 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
   the thickest) beside m = 4 and 8; ``balanced-b32``, its ``Sequential``
   rows only: twice its one-core figure is the bubble-free ceiling of
   ``balanced-b64`` at m = 2 (two one-core stages of 32-row micro-batches);
+- ``data-b64``: 64 -> 4 x Dense(256) -> 10, batch 64, m = 4, from a
+  ``tf.data`` pipeline whose every sample costs 0.5 ms of Python to make (a
+  ``numpy_function`` in its ``map``, as decoding an image or tokenizing a
+  line does); on 2 and 4 ranks (one pipeline) and 2 stages x 2 replicas,
+  with the samples each rank produced (``produced`` in the table: only the
+  first stages read; ``--compare-tree`` of a checkout from before shows
+  every rank reading);
 - ``llama-b16``: keras_hub's ``LlamaCausalLM`` from constructor arguments
   (vocabulary 8000, 4 layers, hidden 512, 128 tokens a sequence), batch 16
   sequences, figures in sequences per second; its "Sequential" rows are the
@@ -75,6 +82,9 @@ WORKLOADS = {
     # a language model (keras_hub's LlamaCausalLM from constructor arguments): untied embeddings on the first and
     # the last virtual stage, which ZB-V and interleaved 1F1B sum across chunks (issue 49)
     "llama-b16": dict(lm=True, vocab=8000, length=128, layers=4, hidden=512, batch=16, steps=6, microbatches=(2, 4)),
+    # samples that cost CPU to make (0.5 ms of Python each, in a tf.data map, as decoding an image does): who reads
+    # them (issue 60); pipelines on 2 and 4 ranks, and 2 stages x 2 replicas
+    "data-b64": dict(features=64, width=256, depth=4, batch=64, steps=8, microbatches=(4,), data_ms=0.5),
 }
 SCHEDULES = ("1f1b", "gpipe", "zb-h1", "auto", "interleaved-1f1b", "zb-v")  # (the last two: two chunks a rank)
 # The models of benchmarks/scaling.py and step_spans.py (batch 64, 24 steps per epoch).
@@ -132,6 +142,10 @@ def worker(args):
     n = spec["batch"] * spec["steps"]
     if spec.get("lm"):
         model, x, y, loss = language_model(spec, args, n)
+    elif spec.get("data_ms"):
+        x, y = make_data(n, spec["features"])
+        x, y = costly_dataset(x, y, spec), None
+        model, loss = chain_model(spec, args), "sparse_categorical_crossentropy"
     else:
         x, y = make_data(n, spec["features"])
         model, loss = chain_model(spec, args), "sparse_categorical_crossentropy"
@@ -151,13 +165,42 @@ def worker(args):
     picker = getattr(getattr(model, "engine", None), "picker", None)
     warmup = 1
     epochs = warmup + args.epochs
-    model.fit(x, y, batch_size=spec["batch"], epochs=epochs, shuffle=False, verbose=0, callbacks=[Timer()])
+    if y is None:  # (a dataset of batches)
+        model.fit(x, epochs=epochs, verbose=0, callbacks=[Timer()])
+    else:
+        model.fit(x, y, batch_size=spec["batch"], epochs=epochs, shuffle=False, verbose=0, callbacks=[Timer()])
     speeds = [n / t for t in times[warmup:]]
     result = {"samples_per_s": statistics.median(speeds), "all": speeds}
+    if spec.get("data_ms"):  # (the samples each rank made, over every epoch)
+        result["produced"] = MPI.COMM_WORLD.allgather(PRODUCED[0])
     if picker is not None:
         result["picked"] = model.engine.picker.describe()  # what schedule="auto" trains with, and why
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
+
+
+PRODUCED = [0]  # samples this process's costly_dataset made
+
+
+def costly_dataset(x, y, spec: dict):
+    """``(x, y)`` in batches, each sample costing ``spec["data_ms"]`` of Python in the map (counted in PRODUCED)."""
+    import tensorflow as tf
+
+    cost = spec["data_ms"] / 1000
+
+    def make(sample):
+        end = time.perf_counter() + cost
+        while time.perf_counter() < end:
+            pass
+        PRODUCED[0] += 1
+        return sample
+
+    def decode(sample, label):
+        made = tf.numpy_function(make, [sample], tf.float32)
+        made.set_shape(sample.shape)
+        return made, label
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).map(decode).batch(spec["batch"])
 
 
 def chain_model(spec: dict, args):
@@ -178,7 +221,13 @@ def chain_model(spec: dict, args):
         return keras.Sequential(layers)
     from keras_pipe import PipelineModel
 
-    return PipelineModel(layers, num_microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute)
+    return PipelineModel(
+        layers,
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        recompute=args.recompute,
+        num_stages=args.stages or None,
+    )
 
 
 def language_model(spec: dict, args, n: int):
@@ -231,7 +280,7 @@ def launch_script(script: Path, ranks, *worker_args, env=None, python=None) -> d
     raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout}\n{out.stderr}")
 
 
-def launch(ranks, *worker_args, env=None, torch_python=None) -> float:
+def launch(ranks, *worker_args, env=None, torch_python=None, label=None) -> float:
     """Samples per second of one configuration (printing what ``schedule="auto"`` picked, where it ran).
 
     ``torch_python``: the configuration is torch's pipelining, run by that interpreter.
@@ -248,7 +297,12 @@ def launch(ranks, *worker_args, env=None, torch_python=None) -> float:
     result = launch_script(Path(__file__).resolve(), ranks, *worker_args, env=env)
     if "picked" in result:
         print(f"  {' '.join(worker_args)}: {result['picked']}", flush=True)
+    if "produced" in result:
+        PRODUCED_BY[label] = result["produced"]
     return result["samples_per_s"]
+
+
+PRODUCED_BY: dict = {}  # each configuration's samples made on each rank (data workloads), by its label
 
 
 def configurations(workload: str, autotune: str = "off", torch: bool = False) -> list[tuple[str, int, list[str]]]:
@@ -264,6 +318,12 @@ def configurations(workload: str, autotune: str = "off", torch: bool = False) ->
             label = f"Sequential{' jit' if jit == 'True' else ''}, {cores}"
             worker_args = ["--kind", "sequential", "--jit", jit, "--threads", str(threads), "--autotune", autotune]
             rows.append((label, 1, worker_args))
+    if spec.get("data_ms"):  # (who reads: one pipeline on 2 and 4 ranks, two replicas of 2 stages)
+        m = str(spec["microbatches"][0])
+        for label, ranks, stages in (("2 ranks", 2, 2), ("4 ranks", 4, 4), ("2 stages x 2 replicas", 4, 2)):
+            worker_args = ["--kind", "pipeline", "--microbatches", m, "--stages", str(stages)]
+            rows.append((f"PipelineModel {label} 1f1b, m={m}", ranks, worker_args))
+        return rows
     if spec["microbatches"]:  # (none: a workload of Sequential rows only)
         rows.append(("PipelineModel 1 rank, m=1", 1, ["--kind", "pipeline", "--microbatches", "1"]))
     for m in spec["microbatches"]:
@@ -290,6 +350,7 @@ def main():
     parser.add_argument("--workload", default="mlp-b64", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=microbatches_of, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    parser.add_argument("--stages", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--recompute", default="never", help="PipelineModel's recompute= (never, always, ...)")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per launch")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (the median is shown)")
@@ -354,10 +415,24 @@ def main():
                 common = ["--workload", workload, "--epochs", str(args.epochs), "--recompute", args.recompute]
                 torch_python = args.torch_python if label.startswith(TORCH) else None
                 speeds[label].append(
-                    launch(ranks, *worker_args, *common, env=env or {"PYTHONPATH": mine}, torch_python=torch_python)
+                    launch(
+                        ranks,
+                        *worker_args,
+                        *common,
+                        env=env or {"PYTHONPATH": mine},
+                        torch_python=torch_python,
+                        label=label,
+                    )
                 )
         median = {label: statistics.median(values) for label, values in speeds.items()}
         print_table(workload, spec, {k: v for k, v in median.items() if not k.endswith(" [other]")})
+        if spec.get("data_ms"):
+            needed = spec["batch"] * spec["steps"] * (1 + args.epochs)
+            print(f"samples made on each rank over the {1 + args.epochs} epochs of a launch ({needed} needed):")
+            for label, _, _, _ in trees:
+                produced = PRODUCED_BY.get(label)
+                if produced:
+                    print(f"  {label:<48} {produced}: {sum(produced) / needed:4.2f}x what one process makes")
         if args.compare_tree:
             print(f"this tree against {args.compare_tree} (the same configuration, alternated in this run):")
             for label, _, _ in rows:
