@@ -19,9 +19,9 @@ form of gradient Keras' own step gives it (issue 39):
 ``--stages 2`` on four ranks: two replicas of a two-stage pipeline, whose
 sparse gradients are summed over the replicas as over micro-batches.
 
-``--sharded``: each case then saves a sharded checkpoint (``.weights.json``);
-plain Keras reads it on rank 0 (the weights, and the optimizer's state, which
-the next epoch shows) and trains one more epoch as the pipeline does; the
+``--sharded`` (or ``--sharded=CASE,CASE``: those cases only): each case then
+saves a sharded checkpoint (``.weights.json``); plain Keras reads it on rank 0
+(the weights, and the optimizer's state, which the next epoch shows) and trains one more epoch as the pipeline does; the
 pipeline reads it back and trains that epoch alike.
 
 Each optimizer trains the pipeline (4 micro-batches, 6 steps) and the unsplit
@@ -120,7 +120,7 @@ def check(case, num_stages=None):
     assert_close(history["loss"], expected["history"]["loss"], f"{case} loss", 1e-5, 1e-6)
     for a, b, variable in zip(model.get_weights(), expected["weights"], reference.weights):
         assert_close(a, b, f"{case} weight {variable.path}", 1e-4, 2e-6)
-    if SHARDED:
+    if SHARDED and (SHARDED is True or case in SHARDED):
         check_sharded(case, model, compile_args, fit)
     print(f"SPARSE OK {case} ", flush=True)
 
@@ -154,7 +154,10 @@ def check_sharded(case, model, compile_args, fit):
             assert_close(a, b, f"{case}: plain Keras' epoch after reading the checkpoint {variable.path}", 1e-4, 2e-6)
 
 
-SHARDED = "--sharded" in sys.argv  # (each case also saves a sharded checkpoint: plain Keras and the pipeline read it)
+# (each case, or those listed, also saves a sharded checkpoint: plain Keras and the pipeline read it)
+SHARDED = "--sharded" in sys.argv or next(
+    (set(a.split("=", 1)[1].split(",")) for a in sys.argv if a.startswith("--sharded=")), False
+)
 DIRECTORY = None
 if SHARDED:
     import tempfile
