@@ -272,12 +272,22 @@ def optimizer_layout(optimizer, weights: list) -> list:
     every weight, not guessed: a layout built on all the weights and one built on a stage's give each of the
     stage's optimizer variables its position in the unsplit model's list.
     """
+    import json
     import re
 
     import keras
     import tensorflow as tf
 
     config = optimizer.get_config()  # (eagerly: it reads the learning rate's value)
+    # (each save asks again, and building the copy costs ~6 ms a variable: the same optimizer on the same weights has
+    # the same layout; the learning rate, which callbacks change, makes no variable)
+    key = (
+        type(optimizer),
+        json.dumps({k: v for k, v in config.items() if k != "learning_rate"}, sort_keys=True, default=repr),
+        tuple((index, path, tuple(shape), str(dtype)) for index, path, shape, dtype in weights),
+    )
+    if key in _LAYOUTS:
+        return list(_LAYOUTS[key])
     with tf.Graph().as_default():
         shadow = type(optimizer).from_config(config)
         stand_ins = [
@@ -292,7 +302,13 @@ def optimizer_layout(optimizer, weights: list) -> list:
             owner = int(found.group(1)) if found else "own"
             counts[owner] = counts.get(owner, -1) + 1
             layout.append(((owner, counts[owner]), tuple(variable.shape)))
+    if len(_LAYOUTS) >= 16:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    _LAYOUTS[key] = tuple(layout)
     return layout
+
+
+_LAYOUTS: dict = {}  # optimizer_layout's answers, by the optimizer's class and config and the weights'
 
 
 def _stand_in_name(index: int, path: str) -> str:
