@@ -90,10 +90,6 @@ class Graph:
     def __post_init__(self):
         check(self)
 
-    def producer(self, tensor: int) -> int:
-        """The node that writes ``tensor``, or ``MODEL_INPUT``."""
-        return self._producers()[tensor]
-
     def _producers(self) -> dict:
         producers = {t: MODEL_INPUT for t in self.inputs}
         for n, node in enumerate(self.nodes):
@@ -167,12 +163,6 @@ class Cut:
     stages: tuple
     crossings: tuple
     shared: dict = field(default_factory=dict)  # unit -> the stages holding it, where more than one
-
-    def stage_of_node(self, node: int) -> int:
-        for stage in self.stages:
-            if node in stage.nodes:
-                return stage.index
-        raise IndexError(node)
 
 
 def cut(graph: Graph, sizes: Sequence[int]) -> Cut:
