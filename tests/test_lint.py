@@ -101,3 +101,43 @@ def test_every_package_says_what_it_may_import():
         exported = importlib.import_module(package).__all__
         imported = {alias.asname or alias.name for node in imports for alias in node.names}
         assert sorted(exported) == sorted(imported), (init, set(exported) ^ imported)
+
+
+def test_keras_private_attributes_are_read_in_compat_only():
+    """Outside ``keras_pipe/compat``, a ``._name`` attribute is one keras_pipe defines itself.
+
+    An underscored attribute that no keras_pipe module defines (by ``def``,
+    by assigning it, or by ``setattr``/``object.__setattr__`` with its name)
+    is another library's private one, Keras' mostly: it belongs in ``compat/``,
+    whose :func:`keras_pipe.compat.check` fails loudly when an upgrade removes
+    it. ``sys._getframe`` and ``os._exit`` are Python's own.
+    """
+    import ast
+
+    package = ROOT / "keras_pipe"
+    trees = {path: ast.parse(path.read_text()) for path in package.rglob("*.py")}
+    ours = {"_getframe", "_exit"}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                ours.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                ours.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                ours.add(node.id)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                "setattr",
+                "__setattr__",
+            ):
+                ours.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+            elif isinstance(node, ast.arg):
+                ours.add(node.arg)
+    foreign = []
+    for path, tree in trees.items():
+        if "compat" in path.relative_to(package).parts:
+            continue
+        for node in ast.walk(tree):
+            name = node.attr if isinstance(node, ast.Attribute) else None
+            if name and name.startswith("_") and not name.startswith("__") and name not in ours:
+                foreign.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{name}")
+    assert not foreign, "private attributes of other libraries outside compat/:\n" + "\n".join(foreign)

@@ -57,7 +57,28 @@ def check() -> None:
             )
         ],
     ]
-    missing = [f"{type(obj).__name__}.{name}" for obj, name in needed if not hasattr(obj, name)]
+    inputs = keras.Input((2,))
+    functional = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    needed += [
+        (keras.Model, "_flatten_metrics_in_order"),
+        (keras.metrics.Accuracy(), "_direction"),
+        (functional, "_inputs_struct"),
+        (functional, "_outputs_struct"),
+        (layer, "_convert_input_args"),
+        (keras.Variable(1.0), "_initializer"),
+        (keras.Variable(1.0), "_deferred_initialize"),
+        (keras.callbacks.TensorBoard, "_train_writer"),  # (the class's: the instance's property makes a writer)
+        (keras.callbacks.TensorBoard, "_log_weights"),
+        (keras.callbacks.TensorBoard, "_log_weight_as_image"),
+        (keras.callbacks.TensorBoard, "_write_keras_model_summary"),
+        (keras.callbacks.ModelCheckpoint, "_save_model"),
+        (saving_lib.H5IOStore, "_create_h5_group"),
+    ]
+    missing = [
+        f"{obj.__name__ if isinstance(obj, type) else type(obj).__name__}.{name}"
+        for obj, name in needed
+        if not hasattr(obj, name)
+    ]
     try:
         _ = file_utils().exists
         global_seed()

@@ -166,3 +166,13 @@ def check_input_shapes(functional, x) -> list:
             f"but input has incompatible shape {shape}"
         )
     return flat
+
+
+def input_structure(functional):
+    """A Functional model's ``_inputs_struct`` (Keras 3.0-3.15): the structure its call takes its inputs in."""
+    return functional._inputs_struct
+
+
+def output_structure(functional):
+    """A Functional model's ``_outputs_struct`` (Keras 3.0-3.15): the structure of its outputs."""
+    return functional._outputs_struct

@@ -67,3 +67,9 @@ def seed_generators(layer) -> list:
             if all(generator is not g for g in found):
                 found.append(generator)
     return found
+
+
+def converts_input_args(layer) -> bool:
+    """A layer's ``_convert_input_args`` (Keras 3.0-3.15): whether its ``__call__`` casts its inputs to its dtype
+    policy's (a tracer does as its ``__call__`` would)."""
+    return layer._convert_input_args

@@ -343,3 +343,20 @@ class _PathRecorder(saving_lib.H5IOStore):
 
     def __setitem__(self, key, value):  # (a layer whose save_own_variables was not replaced: nothing is kept)
         pass
+
+
+def create_h5_group(store, path: str, metadata) -> None:
+    """``H5IOStore._create_h5_group`` (Keras 3.12-3.15): a store's group for the entry at ``path``, made once its
+    first value comes (as Keras' own store does), in a shard writer that rolls over to new files."""
+    store._create_h5_group(path, metadata=metadata)
+
+
+def lora_enabled_layers(backbone) -> list:
+    """keras_hub's ``Backbone._lora_enabled_layers`` (0.18-0.32): the numbers of the layers ``enable_lora`` gave LoRA
+    kernels, in its own numbering (empty for any other layer)."""
+    return getattr(backbone, "_lora_enabled_layers", None) or []
+
+
+def lora_rank(backbone) -> int:
+    """keras_hub's ``Backbone._lora_rank`` (0.18-0.32), written in the ``.lora.h5`` file."""
+    return backbone._lora_rank

@@ -154,6 +154,52 @@ def makedirs_tolerating_existing():
         module.makedirs = make
 
 
+def flatten_metrics_in_order(model, logs):
+    """``keras.Model._flatten_metrics_in_order`` (Keras 3.0-3.15): the logs' values in Keras' order of its metrics.
+
+    Why: every rank lists the logs in the order the last stage's compiled metrics give, which Keras decides here.
+    """
+    import keras
+
+    return keras.Model._flatten_metrics_in_order(model, logs)
+
+
+def metric_direction(metric):
+    """A metric's ``_direction`` (``"up"``, ``"down"`` or ``None``; Keras 3.0-3.15), which ``MonitorCallback``'s
+    ``mode="auto"`` reads: told by the last stage to the ranks without its metrics."""
+    return getattr(metric, "_direction", None)
+
+
+def replace_tensorboard_hooks(board, log_weights=None, summary=None) -> None:
+    """Replaces ``TensorBoard._log_weights`` and ``_write_keras_model_summary`` (Keras 3.0-3.15) where given.
+
+    Why: the weights' histograms gather every stage's weights; the model summary is the pipeline's.
+    """
+    if log_weights is not None:
+        board._log_weights = log_weights
+    if summary is not None:
+        board._write_keras_model_summary = summary
+
+
+def tensorboard_train_writer(board):
+    """``TensorBoard._train_writer`` (Keras 3.0-3.15), the summary writer of the training logs."""
+    return board._train_writer
+
+
+def log_weight_as_image(board, value, name: str, epoch: int) -> None:
+    """``TensorBoard._log_weight_as_image`` (Keras 3.0-3.15)."""
+    board._log_weight_as_image(value, name, epoch)
+
+
+def wrap_checkpoint_save(callback, wrap) -> bool:
+    """``ModelCheckpoint._save_model`` replaced by ``wrap(original)`` once (Keras 3.0-3.15); whether it was now."""
+    if getattr(callback, "_keras_pipe_wrapped_save", False):
+        return False
+    callback._save_model = wrap(callback._save_model)
+    callback._keras_pipe_wrapped_save = True
+    return True
+
+
 def write_model_summary(board) -> None:
     """``TensorBoard._write_keras_model_summary`` for a ``PipelineModel`` (``keras_model_summary``, Keras 3.0-3.15).
 
@@ -163,7 +209,7 @@ def write_model_summary(board) -> None:
     """
     from keras.src.callbacks.tensorboard import keras_model_summary
 
-    with board._train_writer.as_default():
+    with tensorboard_train_writer(board).as_default():
         keras_model_summary("keras", board.model, step=0)
 
 

@@ -284,3 +284,10 @@ def held_only_loading():
         for store, read in reads.items():
             store.__getitem__ = read
         Variable.assign = assign
+
+
+def initialize_deferred(variable) -> None:
+    """Gives an unallocated variable memory and its initial value, where it has an initializer
+    (``Variable._initializer`` and ``_deferred_initialize``, Keras 3.0-3.15)."""
+    if variable._initializer is not None:
+        variable._deferred_initialize()

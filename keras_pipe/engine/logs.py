@@ -94,7 +94,7 @@ class ModelLogs:
                 tensors = [p.tensor if isinstance(p, Masked) else p for p in flat]
                 masks = [p.mask if isinstance(p, Masked) else None for p in flat]
                 metrics = self.metric_results(self._metrics_update()(y, tensors, masks, sample_weight))
-            order = keras.Model._flatten_metrics_in_order(model, {k: k for k in ("loss", *metrics)})
+            order = compat.flatten_metrics_in_order(model, {k: k for k in ("loss", *metrics)})
             order = order if isinstance(order, list) else [order]
         directions = self.directions() if engine.is_last else None
         began = time.perf_counter()
@@ -117,8 +117,9 @@ class ModelLogs:
         for container in self.model.metrics:
             if isinstance(container, compat.metric_containers()):
                 for metric in container.metrics:
-                    if hasattr(metric, "_direction"):
-                        found[metric.name] = "up" if metric._direction == "up" else "down"
+                    direction = compat.metric_direction(metric)
+                    if direction is not None:
+                        found[metric.name] = "up" if direction == "up" else "down"
         return found
 
     def answered(self, metrics: list) -> list:
@@ -215,7 +216,7 @@ class ModelLogs:
         """The metrics' values in the order ``Sequential``'s logs and ``evaluate()`` list them."""
         model = self.model
         results = self._results() if results is None else results
-        order = keras.Model._flatten_metrics_in_order(model, {"loss": 0.0, **{k: k for k in results}})
+        order = compat.flatten_metrics_in_order(model, {"loss": 0.0, **{k: k for k in results}})
         order = [name for name in (order if isinstance(order, list) else [order]) if name in results]
         return {name: results[name] for name in dict.fromkeys(order)}
 

@@ -86,7 +86,7 @@ class ModelGraph:
     notes: list = field(default_factory=list)  # layers that hold much and could not be split, and why
 
     def output_structure(self):
-        return self.model._outputs_struct
+        return compat.output_structure(self.model)
 
     def weight_shapes(self, unit: str, trainable: bool = False) -> list:
         layer = self.units[unit]
@@ -442,9 +442,9 @@ def allocate(layers) -> None:
     for layer in layers:
         for variable in layer.variables:
             compat.restore_initializer(variable)
-            if compat.unallocated(variable) and variable._initializer is not None:
+            if compat.unallocated(variable):
                 with compat.named_as_built(variable):  # (the tf.Variable named by its path, as if built eagerly)
-                    variable._deferred_initialize()
+                    compat.initialize_deferred(variable)
 
 
 def release(layers) -> None:

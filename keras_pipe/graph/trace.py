@@ -201,7 +201,7 @@ def _trace_once(layer, args, kwargs, training, top: bool):
     converted = {}
     for kt in given:  # (as its own __call__ converts its inputs: a mixed precision policy's cast, an op node)
         value = fresh[id(kt)]
-        if layer._convert_input_args:
+        if compat.converts_input_args(layer):
             value = layer.dtype_policy.convert_input(value, layer.autocast, layer.input_dtype)
         converted[id(kt)] = value
     new_args, new_kwargs = keras.tree.map_structure(lambda v: converted.get(id(v), v), (tuple(args), dict(kwargs)))
@@ -437,7 +437,7 @@ def _compare(traced: Traced, real: dict) -> str | None:
             warnings.simplefilter("ignore")
             expected = keras.tree.flatten(traced.layer(*args, **kwargs))
             flat = [real[id(kt)] for kt in traced.given]
-            structured = keras.tree.pack_sequence_as(traced.functional._inputs_struct, flat)
+            structured = keras.tree.pack_sequence_as(compat.input_structure(traced.functional), flat)
             got = keras.tree.flatten(traced.functional(structured, training=False))
     except Exception as error:  # noqa: BLE001 - a difference, said
         return f"running it on a real batch failed: {type(error).__name__}: {str(error)[:200]}"

@@ -143,9 +143,9 @@ def adapt_callbacks(callbacks, comm: Communicator):
             helper = _TensorBoardWeights(callback, comm)
             kept.append(helper)
             if comm.rank == WRITER:
-                callback._log_weights = helper.log_weights
+                compat.replace_tensorboard_hooks(callback, log_weights=helper.log_weights)
         if isinstance(callback, keras.callbacks.TensorBoard) and comm.rank == WRITER:
-            callback._write_keras_model_summary = lambda board=callback: compat.write_model_summary(board)
+            compat.replace_tensorboard_hooks(callback, summary=lambda board=callback: compat.write_model_summary(board))
         if (isinstance(callback, _WRITERS) or getattr(callback, _WRITER_ONLY, False)) and comm.rank != WRITER:
             continue
         if isinstance(callback, keras.callbacks.BackupAndRestore):
@@ -310,13 +310,14 @@ class _TensorBoardWeights(keras.callbacks.Callback):
     def log_weights(self, epoch):
         """``TensorBoard._log_weights`` (Keras 3.15) over every stage's weights."""
         board = self.board
-        with board._train_writer.as_default():
+        writer = compat.tensorboard_train_writer(board)
+        with writer.as_default():
             for path, value in self.weights:
                 name = path.replace(":", "_")
                 board.summary.histogram(f"{name}/histogram", value, step=epoch)
                 if board.write_images:
-                    board._log_weight_as_image(value, f"{name}/image", epoch)
-            board._train_writer.flush()
+                    compat.log_weight_as_image(board, value, f"{name}/image", epoch)
+            writer.flush()
 
 
 def _tolerate_racing_directories(callback: keras.callbacks.ModelCheckpoint) -> None:
@@ -328,16 +329,15 @@ def _tolerate_racing_directories(callback: keras.callbacks.ModelCheckpoint) -> N
     saves, a directory that exists by then is taken as made
     (:func:`keras_pipe.compat.makedirs_tolerating_existing`).
     """
-    if getattr(callback, "_keras_pipe_tolerant", False):
-        return  # (a second fit() with the same callback)
-    original = callback._save_model
 
-    def save_model(*args, **kwargs):
-        with compat.makedirs_tolerating_existing():
-            return original(*args, **kwargs)
+    def wrap(original):
+        def save_model(*args, **kwargs):
+            with compat.makedirs_tolerating_existing():
+                return original(*args, **kwargs)
 
-    callback._save_model = save_model
-    callback._keras_pipe_tolerant = True
+        return save_model
+
+    compat.wrap_checkpoint_save(callback, wrap)  # (once: a second fit() with the same callback finds it wrapped)
 
 
 def _make_collective(callback: keras.callbacks.BackupAndRestore, comm: Communicator) -> None:

@@ -42,7 +42,7 @@ def lora_backbone(model):
     """The keras_hub backbone among the pipeline's layers on which ``enable_lora`` was called (every rank alike)."""
     source = model._builder.source
     layers = [source, *compat.sublayers(source)] if source is not None else []
-    found = [layer for layer in layers if getattr(layer, "_lora_enabled_layers", None)]
+    found = [layer for layer in layers if compat.lora_enabled_layers(layer)]
     if not found:
         raise PipelineConfigError(
             "save_lora_weights()/load_lora_weights() need a keras_hub backbone with LoRA enabled: call "
@@ -61,11 +61,11 @@ def save_lora_weights(model, filepath) -> None:
     if not str(filepath).endswith(".lora.h5"):
         raise PipelineConfigError(f"The filename must end in `.lora.h5`. Received: filepath={filepath}")
     layers = [layer for layer in compat.sublayers(backbone)[1:] if layer.weights]  # (keras_hub's numbering)
-    enabled = [(index, layers[index]) for index in backbone._lora_enabled_layers]
+    enabled = [(index, layers[index]) for index in compat.lora_enabled_layers(backbone)]
     variables = [v for _, layer in enabled for v in (layer.lora_kernel_a, layer.lora_kernel_b)]
     values = _weights.gather_variables(model.engine, variables)
     kernels = [(index, values[2 * k], values[2 * k + 1]) for k, (index, _) in enumerate(enabled)]
-    rank = backbone._lora_rank
+    rank = compat.lora_rank(backbone)
     on_root(
         model.engine.world,
         lambda: compat.write_lora_file(str(filepath), rank, kernels),

@@ -312,7 +312,7 @@ class _ShardWriter(compat.weights_store_class()):
         if self.h5_file is None or (self.in_file and self.in_file + size > self.limit):
             self._next_file()
         if not self._h5_entry_initialized:
-            self._create_h5_group(self.entry_path, metadata=self.entry_metadata)
+            compat.create_h5_group(self, self.entry_path, self.entry_metadata)
         super().__setitem__(key, value)
         self.in_file += size
         self.total += size
