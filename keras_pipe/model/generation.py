@@ -355,6 +355,8 @@ def generate(model, inputs, max_length=None, stop_token_ids="auto", strip_prompt
     previous = task.generate_function
     task.generate_function = generator
     try:
-        return task.generate(inputs, max_length=max_length, stop_token_ids=stop_token_ids, strip_prompt=strip_prompt)
+        # (strip_prompt passed only where given: Phi3CausalLM.generate has none, and refuses it as the unsplit would)
+        extra = {"strip_prompt": strip_prompt} if strip_prompt else {}
+        return task.generate(inputs, max_length=max_length, stop_token_ids=stop_token_ids, **extra)
     finally:
         task.generate_function = previous
