@@ -8,8 +8,9 @@ comparison is of keras_hub's whole output (``token_ids`` and
 ``padding_mask``), with prompts of different lengths in one batch. Cases:
 
 ``families``: greedy decoding of GPT-2, Llama, Mistral, Gemma, Qwen, Phi-3
-and OPT with the default number of groups; then GPT-2 and Phi-3 with one
-group, the others with a stop token taken from the greedy output (row 0
+and OPT with the default number of groups (what differs between families is
+how their pieces are called; the loop is the same); then GPT-2 with one
+group, and Llama with a stop token taken from its greedy output (row 0
 stops early, others run on) and ``strip_prompt=True``. ``sampling``: a
 seeded top-k sampler on GPT-2, twice in a row (the seed generator's state
 carries over as in the unsplit model), and a seeded top-p one on Llama. ``lora``: a Llama backbone with LoRA
@@ -158,9 +159,9 @@ def families(case):
         reference, model = pair(make)
         expected = reference.generate(inputs(), stop_token_ids=None)
         same(model.generate(inputs(), stop_token_ids=None), expected, f"{make.__name__} greedy")
-        if make in (gpt2, phi3):  # (one group; Phi3CausalLM.generate has no strip_prompt)
+        if make is gpt2:
             same(model.generate(inputs(), stop_token_ids=None, num_groups=1), expected, f"{make.__name__} 1 group")
-        else:  # a stop token that row 0 generates early; the rows without it run to the end
+        if make is llama:  # a stop token that row 0 generates early; the rows without it run to the end
             stop = [int(expected["token_ids"][0, prompt_lengths[0] + 1])]
             expected = reference.generate(inputs(), stop_token_ids=stop, strip_prompt=True)
             actual = model.generate(inputs(), stop_token_ids=stop, strip_prompt=True)
