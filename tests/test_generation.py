@@ -29,10 +29,16 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
         place(pieces({0, 1}, {0}, {1}, {0}))
 
 
-# two launches on two ranks (the families; the rest), one on four: each a separate job so that none runs long
+# three launches on two ranks, one on four, each kept near a minute on two cores
 @pytest.mark.parametrize(
     "nprocs, cases",
-    [(2, ["families"]), (2, ["sampling", "lora", "callback", "refused"]), (4, ["sampling", "refused"])],
+    [
+        (2, ["families"]),
+        (2, ["more_families", "refused"]),
+        (2, ["sampling", "lora", "callback"]),
+        (4, ["sampling", "refused"]),
+    ],
+    ids=lambda value: str(value) if isinstance(value, int) else "-".join(value),
 )
 def test_generate_equals_the_unsplit_model(nprocs, cases):
     require_keras_hub()
