@@ -257,7 +257,9 @@ class PipelinedGenerator:
         width = self.backbone.hidden_dim
         hidden_dtype = numpy_dtype(self.task.compute_dtype)
         segment = self._function("segment", self._segment)
-        draw = self._function("draw", lambda logits: sampler.get_next_token(sampler.compute_probabilities(logits)))
+        draw = self._function(
+            ("draw", id(sampler)), lambda logits: sampler.get_next_token(sampler.compute_probabilities(logits))
+        )
         comm.doing = "generating (prefill)"
         caches = []
         for a, b in bounds:  # the prompts, once through the ranks
