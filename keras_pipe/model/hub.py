@@ -1,11 +1,11 @@
-"""keras_hub's task and backbone methods on a pipeline: presets, LoRA weights, generation.
+"""keras_hub's task and backbone methods on a pipeline: presets, LoRA weights.
 
 A pipeline made of a keras_hub task (``PipelineModel.from_model(causal_lm)``)
 answers what a fine-tuning script asks of the task after training:
-``save_to_preset`` (rank 0 writes the whole model's preset),
+``save_to_preset`` (rank 0 writes the whole model's preset) and
 ``save_lora_weights``/``load_lora_weights`` (keras_hub's own ``.lora.h5``
-file, gathered from every stage or read by each rank for its own), and
-``generate``, refused on every rank with the route that works. Each
+file, gathered from every stage or read by each rank for its own); its
+``generate`` is pipelined in :mod:`keras_pipe.model.generation`. Each
 function takes the :class:`~keras_pipe.model.model.PipelineModel` and is
 collective where it says so.
 """
@@ -81,18 +81,3 @@ def load_lora_weights(model, filepath) -> None:
     """
     backbone = lora_backbone(model)
     _weights.read_held(model.engine, lambda: backbone.load_lora_weights(filepath), f"load_lora_weights({filepath})")
-
-
-def generate(model) -> None:
-    """Refused on every rank: generation is not pipelined; the whole model generates in one process.
-
-    Decoding runs one token at a time through every stage, so a pipeline has
-    no micro-batches to overlap and would only add the transfers; each stage
-    would also have to keep its own key/value cache in step with the others.
-    """
-    raise PipelineConfigError(
-        "generate() is not pipelined (decoding runs one token at a time through every stage, so a pipeline "
-        "has nothing to overlap). Generate with the whole model in one process: whole = model.to_keras() "
-        "(rank 0; collective), then whole.generate(...); or model.save_to_preset(directory) and "
-        "keras_hub's from_preset(directory).generate(...) in a plain process."
-    )

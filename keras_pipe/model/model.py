@@ -22,7 +22,7 @@ import numpy as np
 from keras_pipe.engine.engine import Engine
 from keras_pipe.engine.logs import ModelLogs
 from keras_pipe.engine.options import PipelineOptions
-from keras_pipe.model import building, compile_checks, hub, saving
+from keras_pipe.model import building, compile_checks, generation, hub, saving
 from keras_pipe.model import summary as summaries
 from keras_pipe.model import weights as _weights
 from keras_pipe.model.calls import CallPreparation, python_step_function
@@ -570,9 +570,34 @@ class PipelineModel(keras.Model):
         """As keras_hub's ``backbone.load_lora_weights``; each rank reads its own stage's kernels."""
         hub.load_lora_weights(self, filepath)
 
-    def generate(self, *args, **kwargs):
-        """Refused on every rank, naming the route that works (see :func:`keras_pipe.model.hub.generate`)."""
-        hub.generate(self)
+    @collective
+    def generate(
+        self,
+        inputs,
+        max_length: int | None = None,
+        stop_token_ids="auto",
+        strip_prompt: bool = False,
+        *,
+        num_groups: int | None = None,
+    ):
+        """As a keras_hub ``*CausalLM``'s ``generate()``, pipelined: every rank returns the unsplit model's result.
+
+        The prompts' prefill runs through the stages, then each token; each
+        stage runs its own decoder layers with their key/value cache, the
+        last samples with the task's sampler (``compile(sampler=...)`` of the
+        task before ``from_model``, or ``task.sampler``). The batch is cut
+        into ``num_groups`` groups in flight together (default: the number
+        of stages). See :mod:`keras_pipe.model.generation`.
+
+        Example:
+
+        ```python
+        lm = keras_hub.models.LlamaCausalLM(backbone=..., preprocessor=None)
+        model = PipelineModel.from_model(lm)
+        out = model.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=[2])
+        ```
+        """
+        return generation.generate(self, inputs, max_length, stop_token_ids, strip_prompt, num_groups)
 
     @collective
     def quantize(self, mode=None, config=None, filters=None, **kwargs) -> None:

@@ -35,6 +35,8 @@ TAG_GRADIENT = 12
 TAG_TARGETS = 13
 TAG_STATE = 14  # weights and optimizer state on their way to or from rank 0
 TAG_PROBE = 15  # the first batch's real forward, every message describing itself (see probe.py)
+TAG_GENERATION = 16  # generate(): a group's hidden states to the next rank (none: the group is done)
+TAG_TOKENS = 17  # generate(): a group's next tokens, and whether it stops, back to the first rank
 # (tags 21-24, the stall reports' and the failure checks': keras_pipe.mpi.stall)
 
 # Poll without sleeping this long before backing off: 2 ms where every rank

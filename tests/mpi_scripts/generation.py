@@ -1,0 +1,253 @@
+"""``generate()`` on pipelined keras_hub causal language models, against the unsplit model's on the same weights.
+
+Run as ``mpirun -n P python generation.py [CASE ...]``; prints ``GENERATE OK
+<case>`` per rank and case. Every model is small, built from constructor
+arguments on every rank with the same seed (nothing is downloaded); the
+unsplit model's ``generate()`` runs on every rank (a few milliseconds). Each
+comparison is of keras_hub's whole output (``token_ids`` and
+``padding_mask``), with prompts of different lengths in one batch. Cases:
+
+``families``: greedy decoding of GPT-2, Llama, Mistral and Gemma
+(``more_families``: Qwen, Phi-3 and OPT) with the default number of groups (what differs between families is
+how their pieces are called; the loop is the same); then GPT-2 with one
+group, and Llama with a stop token taken from its greedy output (row 0
+stops early, others run on) and ``strip_prompt=True``. ``sampling``: a
+seeded top-k sampler on GPT-2, twice in a row (the seed generator's state
+carries over as in the unsplit model), and a seeded top-p one on Llama. ``lora``: a Llama backbone with LoRA
+enabled, its LoRA kernels non-zero. ``callback``: ``generate()`` from a
+callback's ``on_epoch_end`` during ``fit``, against the unsplit model given
+the pipeline's trained weights. ``refused``: a family not checked, a
+placement that goes back to an earlier rank (ZB-V) and a beam sampler, each
+refused on every rank.
+"""
+
+import sys
+
+import keras
+import keras_hub
+import numpy as np
+from common import RANK, SIZE
+
+from keras_pipe import PipelineModel
+from keras_pipe.errors import PipelineConfigError
+
+VOCAB, LENGTH, DIM = 48, 12, 16
+LAYERS = max(3, SIZE)  # (every stage holds a decoder layer)
+rng = np.random.default_rng(3)
+prompt_lengths = np.array([3, 6, 2, 5, 4, 7, 3])
+prompts = rng.integers(1, VOCAB, size=(len(prompt_lengths), LENGTH)).astype("int32")
+prompt_mask = np.arange(LENGTH)[None, :] < prompt_lengths[:, None]
+prompts[~prompt_mask] = 0  # padded at the end, as keras_hub's preprocessors pad
+
+
+def inputs():
+    return {"token_ids": prompts.copy(), "padding_mask": prompt_mask.copy()}
+
+
+def gpt2():
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=2,
+        hidden_dim=DIM,
+        intermediate_dim=32,
+        dropout=0.0,
+        max_sequence_length=LENGTH,
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def llama():
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=DIM,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def mistral():
+    backbone = keras_hub.models.MistralBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=DIM,
+        intermediate_dim=32,
+        sliding_window=LENGTH,
+    )
+    return keras_hub.models.MistralCausalLM(backbone=backbone, preprocessor=None)
+
+
+def gemma():
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=DIM,
+        intermediate_dim=32,
+        head_dim=8,
+    )
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def qwen():
+    backbone = keras_hub.models.QwenBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=DIM,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.QwenCausalLM(backbone=backbone, preprocessor=None)
+
+
+def phi3():
+    backbone = keras_hub.models.Phi3Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        hidden_dim=DIM,
+        intermediate_dim=32,
+        num_query_heads=2,
+        num_key_value_heads=1,
+    )
+    return keras_hub.models.Phi3CausalLM(backbone=backbone, preprocessor=None)
+
+
+def opt():
+    backbone = keras_hub.models.OPTBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=2,
+        hidden_dim=DIM,
+        intermediate_dim=32,
+        dropout=0.0,
+        max_sequence_length=LENGTH,
+    )
+    return keras_hub.models.OPTCausalLM(backbone=backbone, preprocessor=None)
+
+
+def pair(make, sampler="greedy", prepare=None):
+    """The unsplit model and a pipeline of a second one with the same weights (``prepare`` runs on both)."""
+    made = []
+    for _ in range(2):
+        keras.utils.set_random_seed(5)
+        task = make()
+        if prepare is not None:
+            prepare(task)
+        task.compile(sampler=sampler() if callable(sampler) else sampler)
+        made.append(task)
+    reference, handed_in = made
+    return reference, PipelineModel.from_model(handed_in)
+
+
+def same(actual, expected, what):
+    assert sorted(actual) == sorted(expected), (what, sorted(actual))
+    for key in expected:
+        a, b = np.asarray(actual[key]), np.asarray(expected[key])
+        assert a.dtype == b.dtype, (RANK, what, key, a.dtype, b.dtype)
+        assert np.array_equal(a, b), f"rank {RANK}: {what} {key}\n{a}\n{b}"
+
+
+def families(case, makes=(gpt2, llama, mistral, gemma)):
+    for make in makes:
+        reference, model = pair(make)
+        expected = reference.generate(inputs(), stop_token_ids=None)
+        same(model.generate(inputs(), stop_token_ids=None), expected, f"{make.__name__} greedy")
+        if make is gpt2:
+            same(model.generate(inputs(), stop_token_ids=None, num_groups=1), expected, f"{make.__name__} 1 group")
+        if make is llama:  # a stop token that row 0 generates early; the rows without it run to the end
+            stop = [int(expected["token_ids"][0, prompt_lengths[0] + 1])]
+            expected = reference.generate(inputs(), stop_token_ids=stop, strip_prompt=True)
+            actual = model.generate(inputs(), stop_token_ids=stop, strip_prompt=True)
+            same(actual, expected, f"{make.__name__} stop")
+            assert not expected["padding_mask"][0].all(), expected  # (row 0 did stop)
+
+
+def sampling(case):
+    """A seeded top-k sampler on GPT-2, twice in a row (the seed generator's state carries over), top-p on Llama."""
+    runs = [
+        (gpt2, lambda: keras_hub.samplers.TopKSampler(k=5, seed=7), 2),
+        (llama, lambda: keras_hub.samplers.TopPSampler(p=0.9, seed=7), 1),
+    ]
+    for make, sampler, calls in runs:
+        reference, model = pair(make, sampler)
+        for call in range(calls):
+            expected = reference.generate(inputs(), stop_token_ids=None)
+            actual = model.generate(inputs(), stop_token_ids=None, num_groups=3)
+            same(actual, expected, f"{make.__name__} {type(reference.sampler).__name__} call {call}")
+
+
+def lora(case):
+    def enable(task):
+        task.backbone.enable_lora(2)
+        for variable in task.backbone.weights:  # (LoRA's B kernels start at zero: give them values)
+            if "lora_kernel_b" in variable.path:
+                variable.assign(np.random.default_rng(1).normal(0, 0.5, variable.shape).astype("float32"))
+
+    reference, model = pair(llama, prepare=enable)
+    assert any("lora" in v.path for v in model.trainable_variables) or not model.trainable_variables
+    same(model.generate(inputs(), stop_token_ids=None), reference.generate(inputs(), stop_token_ids=None), "lora")
+
+
+def callback(case):
+    reference, model = pair(gpt2)
+    seen = []
+
+    class Generating(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(self.model.generate(inputs(), stop_token_ids=None))
+            reference.set_weights(self.model.get_weights())  # (collective, as generate is)
+            same(seen[-1], reference.generate(inputs(), stop_token_ids=None), f"callback epoch {epoch}")
+
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    x = inputs()
+    targets = np.concatenate([prompts[:, 1:], np.zeros((len(prompts), 1), "int32")], axis=1)
+    model.fit(x, targets, batch_size=len(prompts), epochs=2, verbose=0, callbacks=[Generating()])
+    assert len(seen) == 2 and not np.array_equal(seen[0]["token_ids"], seen[1]["token_ids"]), seen
+
+
+def refused(case):
+    def refuses(call, words):
+        try:
+            call()
+        except PipelineConfigError as error:
+            assert words in str(error), error
+        else:
+            raise AssertionError(f"rank {RANK}: not refused: {words}")
+
+    keras.utils.set_random_seed(5)
+    backbone = keras_hub.models.BloomBackbone(
+        vocabulary_size=VOCAB, num_layers=LAYERS, num_heads=2, hidden_dim=DIM, intermediate_dim=32
+    )
+    model = PipelineModel.from_model(keras_hub.models.BloomCausalLM(backbone=backbone, preprocessor=None))
+    refuses(lambda: model.generate(inputs(), stop_token_ids=None), "this pipeline's model is a BloomCausalLM")
+    reference, model = pair(gpt2, lambda: keras_hub.samplers.BeamSampler(num_beams=2))
+    refuses(lambda: model.generate(inputs(), stop_token_ids=None), "the task's sampler is a BeamSampler")
+    if SIZE > 1:
+        keras.utils.set_random_seed(5)
+        model = PipelineModel.from_model(gpt2(), schedule="zb-v")
+        refuses(lambda: model.generate(inputs(), stop_token_ids=None), "Cut the model with one chunk a rank")
+
+
+CASES = {
+    "families": families,
+    "more_families": lambda case: families(case, (qwen, phi3, opt)),
+    "sampling": sampling,
+    "lora": lora,
+    "callback": callback,
+    "refused": refused,
+}
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(CASES):
+        CASES[name](name)
+        print(f"GENERATE OK {name} rank {RANK}", flush=True)
