@@ -29,12 +29,11 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
         place(pieces({0, 1}, {0}, {1}, {0}))
 
 
-# three launches on two ranks, one on four (seeded sampling, 3 groups on 4 stages), each short on two cores
+# two launches on two ranks, one on four (seeded sampling, 3 groups on 4 stages), each short on two cores
 @pytest.mark.parametrize(
     "nprocs, cases",
     [
-        (2, ["families"]),
-        (2, ["more_families", "refused"]),
+        (2, ["families", "more_families", "refused"]),
         (2, ["sampling", "lora", "callback"]),
         (4, ["sampling"]),
     ],
