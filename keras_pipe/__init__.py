@@ -31,6 +31,7 @@ from keras_pipe.engine.tracing import SpanRecorder, Tracer  # noqa: E402
 from keras_pipe.errors import (  # noqa: E402
     CollectiveError,
     PipelineConfigError,
+    PipelineDataError,
     PipelineIOError,
     PipelineStallError,
     RankMismatchError,
@@ -62,6 +63,7 @@ __all__ = [
     "init",
     "CollectiveError",
     "PipelineConfigError",
+    "PipelineDataError",
     "PipelineIOError",
     "PipelineStallError",
     "RankMismatchError",
