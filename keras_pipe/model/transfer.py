@@ -16,6 +16,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_pipe import compat
 from keras_pipe.errors import PipelineIOError
 from keras_pipe.model.weights import copy_from_first_replica, ordered
 from keras_pipe.mpi.comm import TAG_STATE, Communicator
@@ -98,10 +99,14 @@ def optimizer_state(optimizer, indexed: list, others=()) -> dict[str, np.ndarray
 
     ``indexed``: ``(variable, model-wide index)`` of the trainable weights
     whose slots to take; ``others``: weights whose slots to leave out (a
-    copy of a weight another stage answers for). A slot (Adam's momentum of
-    a kernel, say) is keyed by the model-wide index of its weight and the
-    slot's name (Keras names it after the weight's path); the optimizer's
-    own variables (iteration count, learning rate) by their names.
+    copy of a weight another stage answers for). A slot is keyed
+    ``"<index>:<k>"``: the ``k``-th variable the optimizer's build made for
+    the weight of that model-wide index (Adam's momentum ``k=0``, velocity
+    ``k=1``); the optimizer's own variables (iteration count, learning rate)
+    ``"optimizer:<k>"``. The build's order is read from the optimizer's own
+    build (:func:`keras_pipe.compat.optimizer_layout`), not from the slots'
+    names: Adafactor names its factors after the weight's name, which many
+    weights share.
     """
     return {key: np.asarray(slot.numpy()) for key, slot in _slots(optimizer, indexed, others).items()}
 
@@ -116,23 +121,28 @@ def assign_optimizer_state(optimizer, indexed: list, state: dict) -> None:
         slot.assign(state[key])
 
 
+_UNKEYED = 10**9  # (stand-in numbers of the weights built on but not indexed: their slots are left out)
+
+
 def _slots(optimizer, indexed: list, others=()) -> dict:
-    keys = [(_path_key(v), index) for v, index in indexed] + [(_path_key(v), None) for v in others]
-    keys.sort(key=lambda pair: -len(pair[0]))  # longest prefix first: "d1_kernel_2" before "d1_kernel"
+    del others  # (whatever is built on and not indexed is left out)
+    index_of = {id(v): i for v, i in indexed}
+    built = compat.built_on(optimizer)
+    numbers = [index_of.get(id(v), _UNKEYED + n) for n, v in enumerate(built)]
+    layout = compat.optimizer_layout(optimizer, [(i, v.path, v.shape, v.dtype) for i, v in zip(numbers, built)])
+    real = optimizer.variables
+    if len(layout) != len(real) or any(tuple(shape) != tuple(v.shape) for (_, shape), v in zip(layout, real)):
+        raise PipelineIOError(
+            f"{type(optimizer).__name__}'s variables ({len(real)}) are not what its build on its weights makes "
+            f"({len(layout)}): its state cannot be matched between the stages and the whole model"
+        )
     slots = {}
-    for slot in optimizer.variables:
-        for prefix, index in keys:
-            if slot.name.startswith(prefix + "_"):
-                if index is not None:
-                    slots[f"{index}:{slot.name[len(prefix) + 1 :]}"] = slot
-                break
-        else:
-            slots[f"optimizer:{slot.name}"] = slot
+    for ((owner, k), _), slot in zip(layout, real):
+        if owner == "own":
+            slots[f"optimizer:{k}"] = slot
+        elif owner < _UNKEYED:
+            slots[f"{owner}:{k}"] = slot
     return slots
-
-
-def _path_key(variable) -> str:
-    return variable.path.replace("/", "_")
 
 
 def trainable_index(model_weights) -> dict:

@@ -92,3 +92,20 @@ def test_one_process_writes_the_sharded_layout_plain_keras_reads(tmp_path):
     first = {p.name for p in tmp_path.glob("ck_stage*")}
     model.save_weights(str(tmp_path / "ck.weights.json"), max_shard_size=1e-6)
     assert not first & {p.name for p in tmp_path.glob("ck_stage*")}
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adam_amsgrad", "adamw_ema", "muon"])
+def test_to_keras_gives_each_slot_its_own_weights_state(name):
+    """``to_keras()`` places the optimizer's state by its build's order, not by the slots' names: Adafactor names
+    its factors after the weight's name (``kernel``), which every Dense shares (they were swapped before)."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((6,)), *[keras.layers.Dense(8) for _ in range(3)], keras.layers.Dense(3)]
+    model = PipelineModel(layers, num_microbatches=1)
+    model.compile(optimizer=OPTIMIZERS[name](), loss="mse", jit_compile=False)
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32")
+    model.fit(x, x[:, :3], batch_size=16, epochs=2, verbose=0)
+    whole = model.to_keras()
+    mine, theirs = model.optimizer.variables, whole.optimizer.variables
+    assert len(mine) == len(theirs)
+    for position, (a, b) in enumerate(zip(mine, theirs)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"{name}: optimizer variable {position} {a.path}")
