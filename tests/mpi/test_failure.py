@@ -22,21 +22,26 @@ AFTER_FAILURE = 30
 
 
 @pytest.mark.parametrize(
-    "where, message",
+    "where, rank, message",
     [
-        ("callback", "boom from a callback on rank 2"),
-        ("layer", "a layer failed on rank 2"),
-        ("data", "the data reader failed on rank 2"),
-        ("label", "label 3, which is outside the valid range [0, 3)"),
+        ("callback", 2, "boom from a callback on rank 2"),
+        ("layer", 2, "a layer failed on rank 2"),
+        # (only the first stage reads the data: the other ranks never call the generator)
+        ("data", 0, "the data reader failed on rank 0"),
+        ("label", 2, "label 3, which is outside the valid range [0, 3)"),
     ],
 )
-def test_rank_failure_ends_every_rank(where, message):
-    launch = run_mpi(4, "fail_rank.py", "2", where, timeout=120)
+def test_rank_failure_ends_every_rank(where, rank, message):
+    launch = run_mpi(4, "fail_rank.py", str(rank), where, timeout=120)
     assert launch.returncode != 0, launch.output
     # (label: from the start of the fit whose fourth batch has the bad label)
     assert launch.seconds_after("FAILING AT") < AFTER_FAILURE + (15 if where == "label" else 0), launch.output
-    failing = 3 if where == "label" else 2  # (the last stage computes the loss)
-    assert f"rank {failing} of 4" in launch.output, launch.output
+    failing = 3 if where == "label" else rank  # (the last stage computes the loss)
+    if where == "data":  # (a reader's failure is agreed, not aborted: the same error on every rank, naming it)
+        assert "every rank of 4 raised this error" in launch.output, launch.output
+        assert "rank 0, which reads the data, could not read its batch" in launch.output, launch.output
+    else:
+        assert f"rank {failing} of 4" in launch.output, launch.output
     assert message in launch.output, launch.output
     assert "finished without noticing" not in launch.output, launch.output
 

@@ -2,7 +2,7 @@
 
 Usage: fail_rank.py FAILING_RANK WHERE, with WHERE one of ``callback`` (a
 callback raises), ``layer`` (a layer raises inside the compiled step),
-``data`` (the rank's data generator raises), ``label`` (a label outside the
+``data`` (the data generator raises on the first stage, the only one that calls it), ``label`` (a label outside the
 classes, which the last stage finds under XLA) or ``validation`` (every rank is
 given validation data of the wrong shape). The failing rank prints ``FAILING AT
 <time.time()>`` as it raises (``label``, ``validation``: as its ``fit`` begins),
