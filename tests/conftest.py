@@ -62,8 +62,29 @@ LONGEST_FIRST = [
 XLA_CACHE = "--tf_xla_persistent_cache_directory"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=os.environ.get("KERAS_PIPE_SLOW", "") not in ("", "0"),
+        help="also run the tests marked slow (the layouts and families the default suite leaves to this tier; "
+        "KERAS_PIPE_SLOW=1 does the same)",
+    )
+
+
+def pytest_report_header(config):
+    if not config.getoption("--slow"):
+        return "keras_pipe: the tests marked slow are left out (--slow or KERAS_PIPE_SLOW=1 runs them too)"
+    return None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: measures time; runs with no other test at once under pytest-xdist")
+    config.addinivalue_line(
+        "markers",
+        "slow: a further layout or family of a behaviour the default suite already shows on another; "
+        "left out unless --slow (the suite's time: docs/suite_time.md)",
+    )
     config.addinivalue_line(
         "markers", "mpi: launches ranks under mpirun (given to every such test; `-m 'not mpi'` is the fast tier)"
     )
@@ -91,6 +112,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--slow"):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
     for item in items:
         if _launches_ranks(item):
             item.add_marker(pytest.mark.mpi)

@@ -19,7 +19,7 @@ from mpi import run_mpi
 
 # 1 rank (micro-batching alone), 3 (stages of unequal size, a middle stage) and 4; two stages
 # are covered by the many 2-rank launches elsewhere (replicas, callbacks, drop-in, features).
-@pytest.mark.parametrize("nprocs", [1, 3, 4])
+@pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.slow), 3, 4])  # (one stage: the slow tier)
 def test_pipeline_equals_sequential(nprocs):
     launch = run_mpi(nprocs, "equivalence.py", timeout=900)
     assert launch.returncode == 0, launch.output

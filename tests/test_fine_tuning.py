@@ -15,29 +15,24 @@ CASES = {
     # (one rank: the nested training=False over micro-batches and a preset opened unallocated, in one process; the
     # other cases run the same stage code on 2 and 4 ranks, and were cut from one rank for the suite's time)
     1: ["guide_subclassed", "preset"],
-    2: [
-        "child",
-        "lora",
-        "qlora",
-        "guide",
-        "guide_subclassed",
-        "guide_unallocated",
-        "llama_lora",
-        "llama_lora_auto",
-        "unseeded_shared",
-        "preset",
-    ],
-    # (unseeded_shared on 2 ranks only: its second holder is rank P - 1 on 4 too, by the same mapping; the suite has
-    # no margin for a 4-rank Llama launch's worth more. child, lora and guide too: guide_unallocated runs the guide's
-    # phases with a frozen base on middle stages, llama_lora LoRA at every depth)
+    2: ["child", "lora", "qlora", "guide", "llama_lora_auto", "unseeded_shared"],
+    # (unseeded_shared on 2 ranks only: its second holder is rank P - 1 on 4 too, by the same mapping. child, lora
+    # and guide too: guide_unallocated runs the guide's phases with a frozen base on middle stages, llama_lora LoRA
+    # at every depth)
     4: ["guide_unallocated", "llama_lora", "preset"],
 }
+# The slow tier (docs/suite_time.md): the cases above on two ranks as well
+SLOW = {2: ["guide_subclassed", "guide_unallocated", "llama_lora", "preset"]}
 
 
-@pytest.mark.parametrize("nprocs", sorted(CASES))
-def test_fine_tuning_equals_keras(nprocs):
+@pytest.mark.parametrize(
+    "nprocs, cases",
+    [(n, cases) for n, cases in sorted(CASES.items())]
+    + [pytest.param(n, cases, marks=pytest.mark.slow) for n, cases in sorted(SLOW.items())],
+    ids=[str(n) for n in sorted(CASES)] + [f"{n}-slow" for n in sorted(SLOW)],
+)
+def test_fine_tuning_equals_keras(nprocs, cases):
     require_keras_hub()
-    cases = CASES[nprocs]
     launch = run_mpi(nprocs, "fine_tuning.py", *cases, timeout=1200)
     assert launch.returncode == 0, launch.output
     for case in cases:

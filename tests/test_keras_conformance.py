@@ -92,7 +92,9 @@ def _outcomes(path: Path) -> dict:
     return outcomes
 
 
-@pytest.mark.parametrize("nprocs", [1, 2])
+# (one rank runs every parameter of every test, two ranks each test once: one rank is the slow tier's, the
+# pipeline of one stage; two ranks cut every model the tests build)
+@pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize("group", list(KERAS_TESTS))
 def test_keras_own_tests_pass_against_the_pipeline(group, nprocs, tmp_path):
     results, output = run_keras_tests(nprocs, tmp_path, timeout=900, group=group)

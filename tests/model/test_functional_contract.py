@@ -14,7 +14,7 @@ from mpi import run_mpi
 CASES = ["built", "quantize", "none inputs", "from_config", "frozen", "calls", "pickle", "handed in", "clone_model"]
 
 
-@pytest.mark.parametrize("nprocs", [1, 2])
+@pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.slow), 2])  # (one stage: the slow tier)
 def test_a_pipeline_keeps_the_functional_contract(nprocs):
     launch = run_mpi(nprocs, "functional_contract.py", timeout=300)
     assert launch.returncode == 0, launch.output

@@ -23,6 +23,7 @@ stages).
 """
 
 import sys
+import time
 import warnings
 
 import keras
@@ -379,5 +380,6 @@ CASES = {
     "t5": t5,
 }
 for name in sys.argv[1:] or list(CASES):
+    started = time.perf_counter()
     CASES[name](name)
-    print(f"HUB OK {name} rank {RANK}", flush=True)
+    print(f"HUB OK {name} rank {RANK} ({time.perf_counter() - started:.1f} s)", flush=True)
