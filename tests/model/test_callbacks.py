@@ -6,7 +6,7 @@ import pytest
 from mpi import run_mpi
 
 
-@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow), 4])  # (the same script: 2 in the slow tier)
+@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow), 4])  # (2: the slow tier)
 def test_callbacks_match_sequential(tmp_path, nprocs):
     launch = run_mpi(nprocs, "callbacks.py", str(tmp_path), timeout=400)
     assert launch.returncode == 0, launch.output
@@ -46,7 +46,7 @@ def test_backup_and_restore_killed_while_writing_its_backup_resumes_from_the_las
     assert "written only in part" in damaged.output and "Delete" in damaged.output, damaged.output
 
 
-@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow), 4])  # (the same script: 2 in the slow tier)
+@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow), 4])  # (2: the slow tier)
 def test_callback_families_match_sequential(tmp_path, nprocs):
     """Issue 47: monitors on val_accuracy (mode auto), custom layers Keras cannot rebuild, TensorBoard histograms and
     embeddings, effects once per job, tf.distribute refused; see tests/mpi_scripts/callback_families.py."""
