@@ -60,6 +60,21 @@ class Launch:
         assert found, f"no rank printed {marker!r}:\n{self.output}"
         return self.ended - float(found.group(1))
 
+    def assert_cases(self, marker: str, cases, nprocs: int) -> None:
+        """The launch ended well and every rank printed ``marker.format(case)`` for each case; where not, says which
+        cases every rank finished and which it did not run (a script stops at its first failing case).
+
+        One case of a script runs alone by hand: ``.venv/bin/mpirun -n P .venv/bin/python tests/mpi_scripts/S CASE``.
+        """
+        done = [case for case in cases if self.output.count(marker.format(case)) == nprocs]
+        missing = [case for case in cases if case not in done]
+        if self.returncode == 0 and not missing:
+            return
+        raise AssertionError(
+            f"the launch ended with {self.returncode}; finished on all {nprocs} ranks: {done or 'none'}; "
+            f"failed, or not run after a failure: {missing or 'none'}\n{self.output}"
+        )
+
 
 def run_mpi(
     nprocs: int,

@@ -24,6 +24,4 @@ CASES = [
 @pytest.mark.parametrize("nprocs", [4])
 def test_features_equal_sequential(nprocs):
     launch = run_mpi(nprocs, "features.py", *CASES, timeout=900)
-    assert launch.returncode == 0, launch.output
-    for case in CASES:
-        assert launch.output.count(f"FEATURE OK {case} ") == nprocs, (case, launch.output)
+    launch.assert_cases("FEATURE OK {} ", CASES, nprocs)

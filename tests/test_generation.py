@@ -42,6 +42,4 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
 def test_generate_equals_the_unsplit_model(nprocs, cases):
     require_keras_hub()
     launch = run_mpi(nprocs, "generation.py", *cases, timeout=600)
-    assert launch.returncode == 0, launch.output
-    for case in cases:
-        assert launch.output.count(f"GENERATE OK {case} ") == nprocs, (case, launch.output)
+    launch.assert_cases("GENERATE OK {} ", cases, nprocs)

@@ -34,15 +34,11 @@ GRAPHS = ["skip", "multi", "dynamic", "resnet", "child", "partial"]
 def test_keras_hub_models_equal_the_unsplit_model(nprocs, cases):
     require_keras_hub()
     launch = run_mpi(nprocs, "hub.py", *cases, timeout=900)
-    assert launch.returncode == 0, launch.output
-    for case in cases:
-        assert launch.output.count(f"HUB OK {case} ") == nprocs, (case, launch.output)
+    launch.assert_cases("HUB OK {} ", cases, nprocs)
 
 
 # 4 ranks (a skip edge over two stages); the two-stage cut of Functional graphs: the keras_hub models
 @pytest.mark.parametrize("nprocs", [4])
 def test_functional_graphs_equal_the_unsplit_model(nprocs):
     launch = run_mpi(nprocs, "graphs.py", *GRAPHS, timeout=900)
-    assert launch.returncode == 0, launch.output
-    for case in GRAPHS:
-        assert launch.output.count(f"GRAPH OK {case} ") == nprocs, (case, launch.output)
+    launch.assert_cases("GRAPH OK {} ", GRAPHS, nprocs)

@@ -35,6 +35,4 @@ SHARDED_ON_TWO = "--sharded=" + ",".join(["adam", "adafactor", "muon", "ftrl", "
 def test_every_optimizer_steps_as_the_unsplit_model_on_sparse_gradients(nprocs, args):
     cases = REPLICATED if "--stages" in args else OPTIMIZERS if nprocs == 2 else FOUR_STAGES
     launch = run_mpi(nprocs, "sparse_optimizers.py", *args, *cases, timeout=900)
-    assert launch.returncode == 0, launch.output
-    for case in cases:
-        assert launch.output.count(f"SPARSE OK {case} ") == nprocs, (case, launch.output)
+    launch.assert_cases("SPARSE OK {} ", cases, nprocs)

@@ -11,6 +11,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What the model gives the engine for one step (:meth:`keras_pipe.engine.engine.Engine.run`).
+
+    ``x``: the flat list of model inputs (read by the first stage); ``y`` and
+    ``sample_weight``: the global batch's (the last stage's once
+    :meth:`~keras_pipe.engine.engine.Engine.exchange_targets` has sent them
+    there); ``loss``: the step's :class:`~keras_pipe.stage.losses.MicrobatchLoss`;
+    ``optimizer``: the model's (``None`` outside training).
+    """
+
+    phase: str  # "train", "test" or "predict"
+    x: Any
+    batch_size: int
+    y: Any = None
+    sample_weight: Any = None
+    loss: Any = None
+    optimizer: Any = None
+
+
 @dataclass
 class Batch:
     """What one stage needs to run one batch.

@@ -3,7 +3,7 @@
 ZB-V holds two chunks a rank, placed in a V (rank 0 holds the first and the
 last of ``2P`` virtual stages); 1F1B and ZB-H1 hold one stage a rank. To
 time both kinds on this job, the engine holds both cuts for the first
-training step (:meth:`keras_pipe.engine.engine.Engine.pick_schedule`): its
+training step (:class:`keras_pipe.engine.picking.SchedulePicking`): its
 timing steps are not training steps, so each runs with a copy of the
 optimizer (:func:`timing_optimizer`) and, when the timing ends, every
 variable this rank held is put back as it was (:class:`Snapshot`). The
@@ -22,29 +22,6 @@ import keras
 import numpy as np
 
 from keras_pipe import compat
-
-# The engine's attributes that belong to one placement of the model on the ranks (Engine.placed, Engine.use).
-PLACED = (
-    "placement",
-    "virtual_ranks",
-    "last_rank",
-    "num_chunks",
-    "actions",
-    "is_last",
-    "predictions",
-    "cut",
-    "balance",
-    "chunks",
-    "compute",
-    "links",
-    "executor",
-    "masks",
-)
-
-
-def key_of(placement: list) -> tuple:
-    """A placement (``placement[r]``: the virtual stages rank ``r`` holds) as a dictionary key."""
-    return tuple(tuple(stages) for stages in placement)
 
 
 def timing_optimizer(optimizer):

@@ -8,11 +8,14 @@ runs the step, and every rank gets the same logs (or predictions).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_pipe import compat
+from keras_pipe.engine.batch import StepInputs
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.model.calls import batch_size_of, stood_in, target_likes
 from keras_pipe.model.feeding import Drawn
@@ -71,15 +74,16 @@ class ModelSteps:
                 "ragged or sparse labels cannot travel from the first stage, which pairs them with the inputs, to the "
                 "last, which computes the loss: give dense labels (padded, with sample weights), or train on one rank."
             )
-        y, sample_weight = engine.predictions.exchange_targets(y, sample_weight, batch_size, engine.chunks)
+        inputs = StepInputs(phase=phase, x=flat_x, batch_size=batch_size, y=y, sample_weight=sample_weight)
+        inputs = engine.exchange_targets(inputs)
         optimizer = model.optimizer
-        loss = self.microbatch_loss(y)
-        if phase == "train" and engine.picking():  # (schedule="auto": its candidates timed on this first batch)
-            engine.pick_schedule(flat_x, batch_size, y, sample_weight, loss, optimizer)
+        inputs = replace(inputs, loss=self.microbatch_loss(inputs.y), optimizer=optimizer)
+        if engine.pick(inputs):  # (schedule="auto": its candidates timed on this first training batch)
             self.builder.follow_engine()
         if phase == "train" and optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        loss_part, terms, flat = engine.run(phase, flat_x, batch_size, y, sample_weight, loss, optimizer)
+        loss_part, terms, flat = engine.run(inputs)
+        y, sample_weight = inputs.y, inputs.sample_weight
         self.last_logs = self.logs.step_logs(phase, loss_part, terms, batch_size, y, flat, sample_weight)
         return self.last_logs
 
@@ -89,7 +93,7 @@ class ModelSteps:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         flat_x = self.inputs(x)  # (first: it checks the inputs' shapes, a scalar's among them, in Keras' words)
         batch_size = batch_size_of(data)
-        _, _, flat = engine.run("predict", flat_x, batch_size)
+        _, _, flat = engine.run(StepInputs(phase="predict", x=flat_x, batch_size=batch_size))
         if flat is not None:
             flat = [p.tensor if isinstance(p, Masked) else p for p in flat]
         flat = engine.predictions.broadcast_predictions(flat, batch_size, engine.cut.graph)

@@ -129,6 +129,4 @@ def test_chunked_schedules_equal_sequential_under_mpirun(nprocs):
     # (four ranks: two replicas of a two-rank pipeline with two chunks a rank)
     cases = ["equivalence", "features", "saving", "errors"] if nprocs == 2 else ["replicas"]
     launch = run_mpi(nprocs, "chunks.py", *cases, timeout=900)
-    assert launch.returncode == 0, launch.output
-    for case in cases:
-        assert launch.output.count(f"CHUNKS OK {case} ") == nprocs, (case, launch.output)
+    launch.assert_cases("CHUNKS OK {} ", cases, nprocs)

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 
 from keras_pipe import compat
-from keras_pipe.engine import recut
+from keras_pipe.engine import placement, recut
 
 
 def test_the_timing_steps_update_with_a_fresh_copy_of_the_optimizer():
@@ -46,5 +46,5 @@ def test_the_snapshot_puts_back_every_allocated_variable_of_the_layers_once():
 
 
 def test_a_placement_is_a_key():
-    assert recut.key_of([[0, 3], [1, 2]]) == ((0, 3), (1, 2))
-    assert recut.key_of([[0], [1]]) != recut.key_of([[0, 3], [1, 2]])
+    assert placement.key_of([[0, 3], [1, 2]]) == ((0, 3), (1, 2))
+    assert placement.key_of([[0], [1]]) != placement.key_of([[0, 3], [1, 2]])

@@ -133,9 +133,7 @@ def test_vits_encoder_is_expanded_into_its_blocks():
 def test_subclassed_models_pipelined_equal_the_unsplit_model(nprocs):
     require_keras_hub()
     launch = run_mpi(nprocs, "subclassed.py", *CASES, timeout=900)
-    assert launch.returncode == 0, launch.output
-    for case in CASES:
-        assert launch.output.count(f"SUBCLASSED OK {case} ") == nprocs, (case, launch.output)
+    launch.assert_cases("SUBCLASSED OK {} ", CASES, nprocs)
     if nprocs == 4:  # ViT's encoder (34,240 parameters of 41,091) was one node: 6,752 / 34,240 / 0 / 99
         (line,) = launch.lines_with("VIT PARAMS PER STAGE 4")
         print(line)

@@ -17,7 +17,5 @@ CASES = ["built", "quantize", "none inputs", "from_config", "frozen", "calls", "
 @pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.slow), 2])  # (one stage: the slow tier)
 def test_a_pipeline_keeps_the_functional_contract(nprocs):
     launch = run_mpi(nprocs, "functional_contract.py", timeout=300)
-    assert launch.returncode == 0, launch.output
-    for case in CASES:
-        assert launch.output.count(f"CONTRACT {case} ok ") == nprocs, (case, launch.output[-4000:])
+    launch.assert_cases("CONTRACT {} ok ", CASES, nprocs)
     assert launch.output.count("CONTRACT done") == nprocs, launch.output[-4000:]
