@@ -40,7 +40,8 @@ def test_replicas_over_loopback_tcp_with_a_host_file(tmp_path):
         "replicas.py",
         "3",  # micro-batches: m = 1 as well is test_replicas.py's, over shared memory
         timeout=900,
-        env={**MPICH_OVER_LOOPBACK_TCP, "EXPECT_PIPELINES": json.dumps([[0, 2], [1, 3]])},
+        # (the 2 x 2 layout alone, the one the hosts place: 1 x 4 over shared memory is test_replicas.py's on 2)
+        env={**MPICH_OVER_LOOPBACK_TCP, "EXPECT_PIPELINES": json.dumps([[0, 2], [1, 3]]), "REPLICA_STAGES": "2"},
         mpirun_args=("-f", str(hostfile)),
         rank_env=[{"KERAS_PIPE_HOST": host} for host in hosts],
     )
