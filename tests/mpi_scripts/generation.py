@@ -44,92 +44,33 @@ def inputs():
     return {"token_ids": prompts.copy(), "padding_mask": prompt_mask.copy()}
 
 
-def gpt2():
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=2,
-        hidden_dim=DIM,
-        intermediate_dim=32,
-        dropout=0.0,
-        max_sequence_length=LENGTH,
-    )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+# Each family tiny, from constructor arguments: its backbone's and causal LM's class names and its own arguments
+COMMON = dict(vocabulary_size=VOCAB, num_layers=LAYERS, hidden_dim=DIM, intermediate_dim=32)
+GROUPED = dict(num_query_heads=2, num_key_value_heads=1)
+FAMILIES = {
+    "gpt2": ("GPT2", dict(num_heads=2, dropout=0.0, max_sequence_length=LENGTH)),
+    "llama": ("Llama", GROUPED),
+    "mistral": ("Mistral", dict(GROUPED, sliding_window=LENGTH)),
+    "gemma": ("Gemma", dict(GROUPED, head_dim=8)),
+    "qwen": ("Qwen", GROUPED),
+    "phi3": ("Phi3", GROUPED),
+    "opt": ("OPT", dict(num_heads=2, dropout=0.0, max_sequence_length=LENGTH)),
+}
 
 
-def llama():
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=DIM,
-        intermediate_dim=32,
-    )
-    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+def family(name):
+    """A function that makes family ``name``'s causal LM (``preprocessor=None``: tokens in, tokens out)."""
+    prefix, arguments = FAMILIES[name]
+
+    def make():
+        backbone = getattr(keras_hub.models, f"{prefix}Backbone")(**COMMON, **arguments)
+        return getattr(keras_hub.models, f"{prefix}CausalLM")(backbone=backbone, preprocessor=None)
+
+    make.__name__ = name
+    return make
 
 
-def mistral():
-    backbone = keras_hub.models.MistralBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=DIM,
-        intermediate_dim=32,
-        sliding_window=LENGTH,
-    )
-    return keras_hub.models.MistralCausalLM(backbone=backbone, preprocessor=None)
-
-
-def gemma():
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=DIM,
-        intermediate_dim=32,
-        head_dim=8,
-    )
-    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-
-
-def qwen():
-    backbone = keras_hub.models.QwenBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=DIM,
-        intermediate_dim=32,
-    )
-    return keras_hub.models.QwenCausalLM(backbone=backbone, preprocessor=None)
-
-
-def phi3():
-    backbone = keras_hub.models.Phi3Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        hidden_dim=DIM,
-        intermediate_dim=32,
-        num_query_heads=2,
-        num_key_value_heads=1,
-    )
-    return keras_hub.models.Phi3CausalLM(backbone=backbone, preprocessor=None)
-
-
-def opt():
-    backbone = keras_hub.models.OPTBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=2,
-        hidden_dim=DIM,
-        intermediate_dim=32,
-        dropout=0.0,
-        max_sequence_length=LENGTH,
-    )
-    return keras_hub.models.OPTCausalLM(backbone=backbone, preprocessor=None)
+gpt2, llama, mistral, gemma, qwen, phi3, opt = (family(name) for name in FAMILIES)
 
 
 def pair(make, sampler="greedy", prepare=None):
