@@ -92,10 +92,21 @@ def _outcomes(path: Path) -> dict:
     return outcomes
 
 
-# (one rank runs every parameter of every test, two ranks each test once: one rank is the slow tier's, the
-# pipeline of one stage; two ranks cut every model the tests build)
-@pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.slow), 2])
-@pytest.mark.parametrize("group", list(KERAS_TESTS))
+# (one rank runs every parameter of every test, two ranks each test once, cutting every model the tests build. The
+# default suite: the models' and trainer's tests on two ranks, the callbacks' on one, whose own pipeline launches
+# (tests/model/test_callbacks.py) cut on four; the slow tier the others)
+SLOW = {("sequential", 1), ("functional", 1), ("callbacks", 2)}
+
+
+@pytest.mark.parametrize(
+    "group, nprocs",
+    [
+        pytest.param(group, n, marks=pytest.mark.slow) if (group, n) in SLOW else (group, n)
+        for group in KERAS_TESTS
+        for n in (1, 2)
+    ],
+    ids=lambda value: str(value),
+)
 def test_keras_own_tests_pass_against_the_pipeline(group, nprocs, tmp_path):
     results, output = run_keras_tests(nprocs, tmp_path, timeout=900, group=group)
     first = results[0]

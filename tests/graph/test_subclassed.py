@@ -129,7 +129,7 @@ def test_vits_encoder_is_expanded_into_its_blocks():
     assert params_per_stage(g, 4) == [2000, 1104, 1120, 1187]  # (the first holds the patch embedding, 880)
 
 
-@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow), 4])  # (the same cases: 2 in the slow tier)
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])  # (the same cases: 4 in the slow tier)
 def test_subclassed_models_pipelined_equal_the_unsplit_model(nprocs):
     require_keras_hub()
     launch = run_mpi(nprocs, "subclassed.py", *CASES, timeout=900)
