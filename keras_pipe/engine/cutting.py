@@ -73,7 +73,7 @@ def _sizes(model_graph, options, num_stages, num_chunks, rows, world, stage) -> 
     if split_before is not None:
         return cuts.sizes_before(plain, list(split_before), virtual)
     if balance is None:
-        return cuts.balance_by_cost([node.cost for node in plain.nodes], virtual)
+        return _by_cost(model_graph, virtual)
     if isinstance(balance, str) and balance == "time":
         if num_chunks > 1:
             raise PipelineConfigError(
@@ -86,7 +86,12 @@ def _sizes(model_graph, options, num_stages, num_chunks, rows, world, stage) -> 
 
 def v_sizes(model_graph, num_stages: int) -> list[int]:
     """The nodes of each of ZB-V's ``2P`` virtual stages, balanced by parameter count as ``balance=None`` does."""
-    return cuts.balance_by_cost([node.cost for node in model_graph.plain.nodes], 2 * num_stages)
+    return _by_cost(model_graph, 2 * num_stages)
+
+
+def _by_cost(model_graph, count: int) -> list[int]:
+    """The nodes of each of ``count`` stages, balanced by the nodes' parameter counts."""
+    return cuts.balance_by_cost([node.cost for node in model_graph.plain.nodes], count)
 
 
 def v_cut_problem(model_graph, options: PipelineOptions, num_stages: int) -> str | None:

@@ -115,11 +115,10 @@ class Engine:
         self.is_first = self.stage == 0
         first_stages = [pipeline[0] for pipeline in self.layout.pipelines] if self.num_replicas > 1 else []
         self.steps = StepAgreement(self.world, data_ranks=first_stages)
-        self.logs = None
         # Several chunks a rank: the model is cut into num_stages * num_chunks virtual stages, placed as
         # the schedule says (keras_pipe.engine.chunks); the first is always on the first rank, the last not
         # always on the last (ZB-V's V ends where it began).
-        self.use(self.place(self.schedule, self.options.num_chunks))
+        self.placed = self.place(self.schedule, self.options.num_chunks)
         self.logs = LogSharing(self.world, source=self.layout.rank_of(0, self.last_rank))
         self.where = f"stage {self.stage}" + (f" of replica {self.replica}" if self.replicas is not None else "")
         self.graph: graphs.ModelGraph | None = None
@@ -143,8 +142,7 @@ class Engine:
     def use(self, placed: Placement) -> None:
         """Makes ``placed`` this engine's placement, whole (the rank that shares the logs is its last)."""
         self.placed = placed
-        if self.logs is not None:
-            self.logs.source = self.layout.rank_of(0, placed.last_rank)
+        self.logs.source = self.layout.rank_of(0, placed.last_rank)
 
     @property
     def num_microbatches(self) -> int:
