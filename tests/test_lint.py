@@ -104,7 +104,7 @@ def test_every_package_says_what_it_may_import():
 
 
 def test_keras_private_attributes_are_read_in_compat_only():
-    """Outside ``keras_pipe/compat``, a ``._name`` attribute is one keras_pipe defines itself.
+    """Outside ``keras_pipe/compat``, a ``._name`` attribute (or ``getattr(obj, "_name")``) is one keras_pipe defines.
 
     An underscored attribute that no keras_pipe module defines (by ``def``,
     by assigning it, or by ``setattr``/``object.__setattr__`` with its name)
@@ -138,6 +138,14 @@ def test_keras_private_attributes_are_read_in_compat_only():
             continue
         for node in ast.walk(tree):
             name = node.attr if isinstance(node, ast.Attribute) else None
+            if (  # getattr(obj, "_name", ...) and hasattr(obj, "_name") read one too
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") in ("getattr", "hasattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                name = node.args[1].value
             if name and name.startswith("_") and not name.startswith("__") and name not in ours:
                 foreign.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{name}")
     assert not foreign, "private attributes of other libraries outside compat/:\n" + "\n".join(foreign)

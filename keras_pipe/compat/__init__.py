@@ -19,6 +19,7 @@ removes one.
 
 from keras_pipe.compat.check import check
 from keras_pipe.compat.functional import (
+    build_shapes,
     call_operation,
     check_input_shapes,
     check_input_structure,
@@ -27,6 +28,7 @@ from keras_pipe.compat.functional import (
     input_shape_argument,
     input_structure,
     is_functional,
+    known_input_structure,
     output_structure,
     sequential_functional,
     standardize_inputs,
@@ -71,10 +73,12 @@ from keras_pipe.compat.training import (
     compile_config_metrics,
     compiled_loss,
     compiled_metrics,
+    distribute_strategy,
     file_utils,
     flatten_metrics_in_order,
     is_default_hook,
     log_weight_as_image,
+    loss_function_kwargs,
     loss_terms,
     loss_tracker,
     makedirs_tolerating_existing,
@@ -106,6 +110,10 @@ from keras_pipe.compat.variables import (
 )
 
 __all__ = [
+    "build_shapes",
+    "distribute_strategy",
+    "known_input_structure",
+    "loss_function_kwargs",
     "lora_enabled_layers",
     "lora_rank",
     "create_h5_group",

@@ -168,6 +168,17 @@ def check_input_shapes(functional, x) -> list:
     return flat
 
 
+def known_input_structure(model):
+    """A model's ``_inputs_struct`` if Keras recorded one (Keras 3.0-3.15: a Functional model's, or a subclassed
+    model's after its first call), else ``None``."""
+    return getattr(model, "_inputs_struct", None)
+
+
+def build_shapes(model) -> dict | None:
+    """``_build_shapes_dict`` (Keras 3.0-3.15): the shapes a layer was built with, by argument name, or ``None``."""
+    return getattr(model, "_build_shapes_dict", None)
+
+
 def input_structure(functional):
     """A Functional model's ``_inputs_struct`` (Keras 3.0-3.15): the structure its call takes its inputs in."""
     return functional._inputs_struct

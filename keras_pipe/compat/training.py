@@ -45,7 +45,7 @@ def metric_containers() -> tuple:
     Why: a ``MonitorCallback`` with ``mode="auto"`` looks its metric's
     direction up among the members of these, in ``model.metrics``; a rank
     without the last stage answers it with the last stage's names and
-    directions (``engine/logs.py``).
+    directions (``model/logs.py``).
     """
     from keras.src.trainers.compile_utils import CompileMetrics, MetricsList
 
@@ -211,6 +211,17 @@ def write_model_summary(board) -> None:
 
     with tensorboard_train_writer(board).as_default():
         keras_model_summary("keras", board.model, step=0)
+
+
+def distribute_strategy(model):
+    """``_distribute_strategy`` (Keras 3.0-3.15, the TensorFlow trainer): the ``tf.distribute`` strategy the model
+    was made under, or ``None``."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+def loss_function_kwargs(loss) -> dict:
+    """``_fn_kwargs`` (Keras 3.0-3.15): the keyword arguments a ``LossFunctionWrapper`` passes its function."""
+    return getattr(loss, "_fn_kwargs", None) or {}
 
 
 def loss_terms(compile_loss) -> list:

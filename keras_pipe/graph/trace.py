@@ -360,10 +360,10 @@ def check_view(view) -> str | None:
 
 def _inputs_of(model):
     """Symbolic inputs for a built subclassed model: its ``inputs`` if it has them, else its build shapes."""
-    known = getattr(model, "_inputs_struct", None)
+    known = compat.known_input_structure(model)
     if known is not None:
         return keras.tree.map_structure(_fresh_input, known)
-    shapes = getattr(model, "_build_shapes_dict", None)
+    shapes = compat.build_shapes(model)
     if not model.built or not shapes or len(shapes) != 1:
         why = (
             "Keras recorded none when it was called (it could not run its call() on symbolic tensors either)"

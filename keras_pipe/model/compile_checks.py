@@ -11,6 +11,7 @@ import inspect
 
 import keras
 
+from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
 
 
@@ -102,9 +103,9 @@ def check_no_strategy(model) -> None:
     """
     import tensorflow as tf
 
-    if getattr(model, "_distribute_strategy", None) is None and not tf.distribute.has_strategy():
+    if compat.distribute_strategy(model) is None and not tf.distribute.has_strategy():
         return
-    strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
+    strategy = compat.distribute_strategy(model) or tf.distribute.get_strategy()
     raise refuse(
         f"a PipelineModel under tf.distribute ({type(strategy).__name__}): the pipeline distributes the model over "
         "MPI ranks itself (one stage a rank; replicas of the pipeline with num_stages=... for data parallelism), "

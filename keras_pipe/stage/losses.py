@@ -166,8 +166,7 @@ def _is_sparse_crossentropy(loss) -> bool:
 
 
 def _ignore_class(loss):
-    kwargs = getattr(loss, "_fn_kwargs", None) or {}
-    return kwargs.get("ignore_class")
+    return compat.loss_function_kwargs(loss).get("ignore_class")
 
 
 def reduce_with_divisor(loss, y_true, y_pred, sample_weight=None):
