@@ -15,7 +15,7 @@ ReduceLROnPlateau sets the same learning rate). What must differ:
 - a monitoring callback (``EarlyStopping``, ``ModelCheckpoint``,
   ``ReduceLROnPlateau``, any ``MonitorCallback``) with ``mode="auto"`` asks
   ``model.metrics`` whether its metric goes up or down: every rank answers
-  as the last stage, which holds the compiled metrics (``engine/logs.py``),
+  as the last stage, which holds the compiled metrics (``model/logs.py``),
   so every rank decides alike, or raises Keras' error alike;
 - ``ModelCheckpoint`` runs everywhere, as ``model.save``/``save_weights`` are
   collective and rank 0 writes; the directory it creates first (Keras:

@@ -20,13 +20,13 @@ import keras
 import numpy as np
 
 from keras_pipe.engine.engine import Engine
-from keras_pipe.engine.logs import ModelLogs
 from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.model import building, compile_checks, generation, hub, saving
 from keras_pipe.model import summary as summaries
 from keras_pipe.model import weights as _weights
 from keras_pipe.model.calls import CallPreparation, python_step_function
 from keras_pipe.model.datasets import DatasetStrategy
+from keras_pipe.model.logs import ModelLogs
 from keras_pipe.model.steps import ModelSteps
 from keras_pipe.mpi.failure import collective
 

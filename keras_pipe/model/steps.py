@@ -34,7 +34,7 @@ class ModelSteps:
         builder: its :class:`~keras_pipe.model.building.ModelBuilder` (the
             graph the inputs are checked against, built for the first batch).
         engine: its :class:`~keras_pipe.engine.engine.Engine`, which runs the step.
-        logs: its :class:`~keras_pipe.engine.logs.ModelLogs` (a step's logs, the same on every rank).
+        logs: its :class:`~keras_pipe.model.logs.ModelLogs` (a step's logs, the same on every rank).
 
     Attributes:
         loss: the compiled loss term by term (a :class:`MicrobatchLoss`), made
