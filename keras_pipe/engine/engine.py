@@ -43,7 +43,8 @@ from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
 from keras_pipe.mpi.runtime import join_job
-from keras_pipe.schedules.auto import CANDIDATES, SchedulePicker, microbatch_candidates
+from keras_pipe.schedules.auto import SchedulePicker, microbatch_candidates, schedule_candidates
+from keras_pipe.schedules.schedule import is_auto
 from keras_pipe.stage.compute import Masked, StageCompute
 from keras_pipe.stage.losses import divisor_shares
 from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
@@ -101,10 +102,10 @@ class Engine:
         self.options = options.resolve(self.num_stages)
         self.picker = self.auto = None
         auto_microbatches = self.options.auto_microbatches
-        if self.schedule == "auto" or auto_microbatches:
+        if is_auto(self.schedule) or auto_microbatches:
             candidates = (self.schedule,)
-            if self.schedule == "auto":  # (ZB-V's other cut: kept only where the model can be cut for it, at build)
-                candidates = CANDIDATES + (("zb-v",) if self.num_stages > 1 else ())
+            if is_auto(self.schedule):  # (ZB-V's other cut: kept only where the model can be cut, at build)
+                candidates = schedule_candidates(self.num_stages)
             self.picker = SchedulePicker(
                 self.num_stages,
                 None if auto_microbatches else self.options.num_microbatches,

@@ -85,7 +85,7 @@ class PipelineOptions:
         check_recompute(self.recompute)
         if self.split_before is not None and self.balance is not None:
             raise PipelineConfigError("give balance or split_before, not both: each says where the stages begin.")
-        if self.schedule == "interleaved-1f1b" and not self.auto_microbatches:
+        if schedule.needs_whole_rounds(self.schedule) and not self.auto_microbatches:
             virtual.check_whole_rounds(num_stages, num_microbatches)
         return dataclasses.replace(
             self, num_microbatches=num_microbatches, num_chunks=num_chunks, num_stages=num_stages

@@ -19,6 +19,7 @@ from keras_pipe.engine import cutting, recut
 from keras_pipe.engine.placement import key_of
 from keras_pipe.graph import cut as cuts
 from keras_pipe.schedules import schedule
+from keras_pipe.schedules.auto import OTHER_CUT
 
 
 class SchedulePicking:
@@ -35,13 +36,13 @@ class SchedulePicking:
 
     def times_v(self) -> bool:
         """Whether ZB-V, whose cut is not the one-stage-a-rank one, is still among the candidates."""
-        return self.picker.picked is None and "zb-v" in self.picker.schedules()
+        return self.picker.picked is None and OTHER_CUT in self.picker.schedules()
 
     def check_v_cut(self, model_graph) -> None:
         """Drops ZB-V from the candidates where its cut is not this model's to make (the same on every rank)."""
         problem = cutting.v_cut_problem(model_graph, self.engine.options, self.engine.num_stages)
         if problem is not None:
-            self.picker.drop("zb-v", problem)
+            self.picker.drop(OTHER_CUT, problem)
 
     def forget(self) -> None:
         self._placings.clear()
@@ -58,7 +59,7 @@ class SchedulePicking:
         tracer, engine.tracer = engine.tracer, None  # (a timeline sees the batch's real step, not the timing)
         if optimizer is not None and optimizer.built and self.times_v():
             # (built on this cut's variables already: a restored optimizer state; the same on every rank)
-            picker.drop("zb-v", "the optimizer was built before the first training step, on one stage a rank")
+            picker.drop(OTHER_CUT, "the optimizer was built before the first training step, on one stage a rank")
         keys = {}
         for name in picker.schedules():  # (every placement built, and its weights copied, before the timing)
             self.switch(name)

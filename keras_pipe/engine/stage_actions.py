@@ -105,7 +105,9 @@ class StageActions:
             any_split = any(split) or schedule.needs_split_backward(name)
             if phase != "train":
                 plan = virtual.chunked_forward_only(self.placement, m, _last_forward(phase, whole_batch_loss))
-            elif whole_batch_loss or (name == "interleaved-1f1b" and not virtual.whole_rounds(p, m)):  # (a short batch)
+            elif whole_batch_loss or (
+                schedule.needs_whole_rounds(name) and not virtual.whole_rounds(p, m)
+            ):  # (a short batch)
                 plan = virtual.chunked_gpipe(self.placement, m, any_split, whole_batch_loss)
             else:
                 plan = schedule.make_schedule(name, p, m, any_split, num_chunks=v)

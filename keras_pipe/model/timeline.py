@@ -137,9 +137,12 @@ def _theoretical_bubble(engine, m: int) -> tuple[float, str]:
     if v == 1:
         return (p - 1) / (m + p - 1), "(P - 1) / (m + P - 1)"
     name = engine.actions.training_schedule()  # ("auto": the schedule it picked, ZB-V among them)
-    if name == "interleaved-1f1b":
-        return (p - 1) / (v * m + p - 1), "(P - 1) / (v m + P - 1)"
     from keras_pipe.schedules import schedule, simulator
+
+    theory = schedule.kind_of(name).bubble
+    if theory is not None:
+        formula, text = theory
+        return formula(p, m, v), text
 
     plan = schedule.make_schedule(name, p, m, True, num_chunks=v)
     return simulator.bubble(plan, simulator.DURATIONS, engine.placement), "the simulator's, F = I = W"

@@ -51,8 +51,17 @@ from keras_pipe.schedules import schedule
 from keras_pipe.schedules.simulator import DURATIONS, bubble
 
 CANDIDATES = ("1f1b", "zb-h1")
+# The candidate that cuts the model otherwise (two chunks a rank, in a V): timed only where the model can be cut
+# for it (the engine drops it otherwise, naming why)
+OTHER_CUT = "zb-v"
 WARMUP_ROUNDS = 2  # steps of each candidate before timing: tracing, the first step's W per micro-batch
 TIMED_ROUNDS = 3  # timed steps of each, alternated; the median counts (one step slowed by the machine does not)
+
+
+def schedule_candidates(num_stages: int) -> tuple[str, ...]:
+    """The schedules ``schedule="auto"`` times on ``num_stages`` stages: :data:`CANDIDATES`, and
+    :data:`OTHER_CUT` on more than one stage."""
+    return CANDIDATES + ((OTHER_CUT,) if num_stages > 1 else ())
 
 
 def microbatch_candidates(num_stages: int) -> tuple[int, ...]:

@@ -49,16 +49,88 @@ order 0, 1, ..., m - 1 and weight gradients are summed in that order.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.schedules import virtual, zero_bubble
 from keras_pipe.schedules.actions import Action, Holding, check_count, merge_weight_runs
 from keras_pipe.schedules.one_chunk import gpipe, one_f_one_b
 from keras_pipe.schedules.zero_bubble import zero_bubble_h1
 
-SCHEDULES = ("1f1b", "gpipe", "zb-h1")
-# Several model chunks a rank (virtual stages; :mod:`keras_pipe.schedules.virtual`): interleaved 1F1B over the
-# loop placement (``num_chunks`` of them), ZB-V over the V placement (two).
-CHUNKED_SCHEDULES = ("interleaved-1f1b", "zb-v")
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """What one schedule name means, everything the rest of keras_pipe asks of it (:data:`REGISTRY`).
+
+    ``build(p, m, split_backward, hold, v)`` makes its actions; ``chunks`` is
+    how many chunks a rank holds unless told (``None``: any number of two or
+    more, two by default); ``v_placement`` says the chunks sit in a V (ZB-V)
+    rather than a loop; ``splits_backward`` that it only exists with I and W;
+    ``whole_rounds`` that it needs ``m`` a multiple of the stages (a shorter
+    batch runs a chunked GPipe instead); ``bubble`` its bubble in theory,
+    where a formula gives it (else the simulator's).
+    """
+
+    name: str
+    build: Callable
+    chunks: int | None = 1
+    v_placement: bool = False
+    splits_backward: bool = False
+    whole_rounds: bool = False
+    bubble: tuple[Callable, str] | None = None  # (its bubble in theory, (p, m, v) -> float, and the formula written)
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunks != 1
+
+
+def _merged(schedule: list[list[Action]]) -> list[list[Action]]:
+    # (the zero-bubble schedules place a W a micro-batch where it fills a wait; where several end up together,
+    # as in ZB-V's tail, one W a chunk does their work: actions.merge_weight_runs)
+    return [merge_weight_runs(row) for row in schedule]
+
+
+# Every schedule keras_pipe runs, by the name PipelineModel(schedule=...) takes: no module outside schedules/
+# compares schedule names, it asks this table.
+REGISTRY = {
+    kind.name: kind
+    for kind in (
+        ScheduleKind("1f1b", lambda p, m, split, hold, v: one_f_one_b(p, m, split, hold)),
+        ScheduleKind("gpipe", lambda p, m, split, hold, v: gpipe(p, m, split, hold=hold)),
+        ScheduleKind("zb-h1", lambda p, m, split, hold, v: _merged(zero_bubble_h1(p, m)), splits_backward=True),
+        # Several model chunks a rank (virtual stages; :mod:`keras_pipe.schedules.virtual`): interleaved 1F1B over
+        # the loop placement (``num_chunks`` of them), ZB-V over the V placement (two).
+        ScheduleKind(
+            "interleaved-1f1b",
+            lambda p, m, split, hold, v: virtual.interleaved_one_f_one_b(p, m, v, split, hold),
+            chunks=None,
+            whole_rounds=True,
+            bubble=(lambda p, m, v: (p - 1) / (v * m + p - 1), "(P - 1) / (v m + P - 1)"),
+        ),
+        ScheduleKind(
+            "zb-v",
+            lambda p, m, split, hold, v: _merged(zero_bubble.zero_bubble_v(p, m)),
+            chunks=2,
+            v_placement=True,
+            splits_backward=True,
+        ),
+    )
+}
+AUTO = "auto"  # (not a schedule: PipelineModel(schedule="auto") times the schedules and runs the fastest, :mod:`.auto`)
+SCHEDULES = tuple(name for name, kind in REGISTRY.items() if not kind.chunked)
+CHUNKED_SCHEDULES = tuple(name for name, kind in REGISTRY.items() if kind.chunked)
+
+
+def kind_of(name: str) -> ScheduleKind:
+    """The :class:`ScheduleKind` called ``name``; raises :class:`PipelineConfigError` naming the known ones."""
+    check_name(name, auto=False)
+    return REGISTRY[name]
+
+
+def is_auto(name: str) -> bool:
+    """Whether ``name`` asks for the schedule to be picked by timing (``"auto"``)."""
+    return name == AUTO
 
 
 def make_schedule(
@@ -80,19 +152,9 @@ def make_schedule(
     >>> [str(a) for a in make_schedule("interleaved-1f1b", 2, 2, num_chunks=2)[1]]
     ['F0', 'F1', 'FB0@1', 'FB1@1', 'B0', 'B1']
     """
-    check_name(name, auto=False)
+    kind = kind_of(name)
     check_chunks(name, num_chunks)
-    if name == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches, split_backward, hold)
-    if name == "gpipe":
-        return gpipe(num_stages, num_microbatches, split_backward, hold=hold)
-    if name == "interleaved-1f1b":
-        return virtual.interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks, split_backward, hold)
-    # (the zero-bubble schedules place a W a micro-batch where it fills a wait; where several end up together,
-    # as in ZB-V's tail, one W a chunk does their work: actions.merge_weight_runs)
-    if name == "zb-v":
-        return [merge_weight_runs(row) for row in zero_bubble.zero_bubble_v(num_stages, num_microbatches)]
-    return [merge_weight_runs(row) for row in zero_bubble_h1(num_stages, num_microbatches)]
+    return kind.build(num_stages, num_microbatches, split_backward, hold, num_chunks)
 
 
 def placement(name: str, num_stages: int, num_chunks: int = 1) -> list[list[int]]:
@@ -102,30 +164,45 @@ def placement(name: str, num_stages: int, num_chunks: int = 1) -> list[list[int]
     ([[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]])
     """
     check_chunks(name, num_chunks)
-    if name == "zb-v":
+    if kind_of(name).v_placement:
         return virtual.v_placement(num_stages)
     return virtual.loop_placement(num_stages, num_chunks)
 
 
 def default_chunks(name: str) -> int:
     """The chunks a rank holds under schedule ``name`` unless told: two for a chunked schedule, else one."""
-    return 2 if name in CHUNKED_SCHEDULES else 1
+    kind = REGISTRY.get(name)
+    return 2 if kind is not None and kind.chunked else 1
 
 
 def check_chunks(name: str, num_chunks) -> None:
     """Raises :class:`PipelineConfigError` unless schedule ``name`` runs ``num_chunks`` chunks a rank."""
     check_count("num_chunks", num_chunks, "one stage a rank")
-    if name == "zb-v" and num_chunks != 2:
-        raise PipelineConfigError(f"schedule='zb-v' runs two chunks a rank (a V), not num_chunks={num_chunks}.")
-    if name == "interleaved-1f1b" and num_chunks < 2:
+    kind = REGISTRY.get(name)
+    if kind is None:
+        if num_chunks != 1:  # ("auto": its candidates' chunks are its own)
+            raise PipelineConfigError(
+                f"schedule={name!r} runs one chunk a rank, not num_chunks={num_chunks}; several chunks a rank "
+                f"run under {' or '.join(map(repr, CHUNKED_SCHEDULES))}."
+            )
+        return
+    if kind.chunks == 2 and num_chunks != 2:
+        raise PipelineConfigError(f"schedule={name!r} runs two chunks a rank (a V), not num_chunks={num_chunks}.")
+    if kind.chunks is None and num_chunks < 2:
         raise PipelineConfigError(
-            "schedule='interleaved-1f1b' needs num_chunks of 2 or more (one chunk a rank is schedule='1f1b')."
+            f"schedule={name!r} needs num_chunks of 2 or more (one chunk a rank is schedule='1f1b')."
         )
-    if name not in CHUNKED_SCHEDULES and num_chunks != 1:
+    if kind.chunks == 1 and num_chunks != 1:
         raise PipelineConfigError(
             f"schedule={name!r} runs one chunk a rank, not num_chunks={num_chunks}; several chunks a rank "
             f"run under {' or '.join(map(repr, CHUNKED_SCHEDULES))}."
         )
+
+
+def needs_whole_rounds(name: str) -> bool:
+    """Whether schedule ``name`` needs ``num_microbatches`` a multiple of the stages (interleaved 1F1B's rounds)."""
+    kind = REGISTRY.get(name)
+    return kind is not None and kind.whole_rounds
 
 
 def hold_for(
@@ -163,11 +240,12 @@ def hold_for(
 
 def check_name(name, auto: bool = True) -> None:
     """Raises :class:`PipelineConfigError` unless ``name`` is a schedule, or ``"auto"`` (:mod:`.auto`)."""
-    known = (*SCHEDULES, *CHUNKED_SCHEDULES, "auto") if auto else (*SCHEDULES, *CHUNKED_SCHEDULES)
+    known = (*REGISTRY, AUTO) if auto else tuple(REGISTRY)
     if name not in known:
         raise PipelineConfigError(f"schedule={name!r} is not known; use one of {', '.join(map(repr, known))}.")
 
 
 def needs_split_backward(name: str) -> bool:
     """Whether the schedule only exists with a split backward (I and W)."""
-    return name in ("zb-h1", "zb-v")
+    kind = REGISTRY.get(name)
+    return kind is not None and kind.splits_backward
