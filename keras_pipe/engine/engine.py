@@ -209,12 +209,12 @@ class Engine:
             self.compute,
             self.links,
             reducer,
-            self.is_first,
-            self.is_last,
-            self.world,
-            self.where,
-            pipeline_sum,
-            tied,
+            is_first=self.is_first,
+            is_last=self.is_last,
+            status=self.world,
+            where=self.where,
+            pipeline_sum=pipeline_sum,
+            tied=tied,
             chunks=self.chunks,
         )
         self.executor.tracer = self._tracer
@@ -235,7 +235,16 @@ class Engine:
         output_structure = model_graph.output_structure() if k == last else None
         regularized = [model_graph.units[u] for u in stage.units if min(the_cut.shared.get(u, [k])) == k]
         compute = StageCompute(
-            stage, calls, plain, own, self.jit, self.eager, self.recompute, output_structure, regularized, self.frozen
+            stage,
+            calls,
+            plain,
+            own,
+            jit=self.jit,
+            eager=self.eager,
+            recompute=self.recompute,
+            output_structure=output_structure,
+            regularized=regularized,
+            frozen=self.frozen,
         )
         links = None
         if self.num_chunks > 1:

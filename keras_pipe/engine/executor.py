@@ -79,6 +79,7 @@ class Executor:
         compute,
         links,
         reducer,
+        *,
         is_first: bool,
         is_last: bool,
         status,

@@ -66,7 +66,13 @@ class Placement:
             is_last=is_last,
             actions=StageActions(name, picker, num_stages, stage, num_chunks, ranks),
             predictions=PredictionExchange(
-                pipeline, replicas, num_replicas, num_stages, last_rank, stage == 0, is_last
+                pipeline,
+                replicas,
+                num_replicas=num_replicas,
+                num_stages=num_stages,
+                last_rank=last_rank,
+                is_first=stage == 0,
+                is_last=is_last,
             ),
         )
 

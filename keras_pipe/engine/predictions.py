@@ -26,7 +26,9 @@ class PredictionExchange:
     (virtual) stage.
     """
 
-    def __init__(self, pipeline, replicas, num_replicas: int, num_stages: int, last_rank: int, is_first, is_last):
+    def __init__(
+        self, pipeline, replicas, *, num_replicas: int, num_stages: int, last_rank: int, is_first: bool, is_last: bool
+    ):
         self.pipeline = pipeline
         self.replicas = replicas
         self.num_replicas = num_replicas

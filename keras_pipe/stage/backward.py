@@ -65,6 +65,7 @@ class StageBackward:
         self,
         forward: Forward,
         stage,
+        *,
         num_sends: int,
         last: bool,
         tensors,
@@ -160,11 +161,11 @@ class StageBackward:
                     seeds,
                     {},
                     coefficients[-1],
-                    self.gradient_inputs,
-                    head,
-                    self._head_from,
-                    values,
-                    self.stage.outputs[self.num_sends :],
+                    wanted=self.gradient_inputs,
+                    head=head,
+                    head_from=self._head_from,
+                    values=values,
+                    reads=self.stage.outputs[self.num_sends :],
                 )
                 terms = terms_out[-1]
                 total = tf.reduce_sum(terms * coefficients[:-1]) + activity * coefficients[-1]
@@ -214,7 +215,7 @@ class StageBackward:
 
             def input_grad(kept, seeds, outputs, activity_scale):
                 dx, step_grads = replay.input_gradient(
-                    self.steps, kept, seeds, outputs, activity_scale, self.gradient_inputs
+                    self.steps, kept, seeds, outputs, activity_scale, wanted=self.gradient_inputs
                 )
                 return _filled_from_kept(dx, kept, self), self._parts(kept, step_grads)
 

@@ -221,7 +221,7 @@ def forward(steps: list[Step], values: dict, training: bool, keep: bool):
 
 @_plain_python
 def input_gradient(
-    steps, inputs, seeds, grads: dict, activity_scale, wanted, head=None, head_from: int = 0, values=None, reads=()
+    steps, inputs, seeds, grads: dict, activity_scale, *, wanted, head=None, head_from: int = 0, values=None, reads=()
 ):
     """``I``: ``(gradients of the tensors in wanted, output gradients of each weighted step)``.
 

@@ -87,7 +87,7 @@ def _run_two_chunks(optimizer, fusable: bool):
         compute.gradients.empty = fusable
         compute.squared_norm = lambda grads: 1.0
     chunks = [Chunk(computes[c], FakeLinks(logs[c]), c == 0, c == 1) for c in range(2)]
-    executor = Executor(None, None, None, True, True, Status(), "stage 0", chunks=chunks)
+    executor = Executor(None, None, None, is_first=True, is_last=True, status=Status(), where="stage 0", chunks=chunks)
     m = 2
     batch = training_batch(m, optimizer)
     updates = []

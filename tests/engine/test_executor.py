@@ -180,7 +180,9 @@ def test_a_failing_action_leaves_nothing_behind():
             raise RuntimeError("boom")
 
     log = []
-    executor = Executor(Failing(log, False), FakeLinks(log), None, True, False, Status(), "stage 0")
+    executor = Executor(
+        Failing(log, False), FakeLinks(log), None, is_first=True, is_last=False, status=Status(), where="stage 0"
+    )
     batch = Batch(phase="train", batch_size=4, bounds=[(0, 4)], x=[np.zeros((4, 1))], optimizer="adam")
     with pytest.raises(RuntimeError, match="boom"):
         executor.run(lower(make_schedule("1f1b", 2, 1))[0], batch)
@@ -203,7 +205,9 @@ def test_a_masked_mean_loss_is_seeded_once_the_whole_batch_is_counted():
             return [np.zeros(1)]
 
     log = []
-    executor = Executor(Counting(log, False), FakeLinks(log), None, False, True, Status(), "stage 1")
+    executor = Executor(
+        Counting(log, False), FakeLinks(log), None, is_first=False, is_last=True, status=Status(), where="stage 1"
+    )
     batch = Batch(
         phase="train",
         batch_size=8,
@@ -232,7 +236,9 @@ def test_evaluation_computes_the_loss_in_the_last_stages_own_forward():
             return 0.25, np.ones(1), [np.zeros(1)]
 
     log = []
-    executor = Executor(Evaluating(log, False), FakeLinks(log), None, False, True, Status(), "stage 1")
+    executor = Executor(
+        Evaluating(log, False), FakeLinks(log), None, is_first=False, is_last=True, status=Status(), where="stage 1"
+    )
     batch = training_batch(2)
     batch.phase = "test"
     result = executor.run(lower(forward_only(2, 2, FORWARD_LOSS))[1], batch)
