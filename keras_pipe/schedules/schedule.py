@@ -164,7 +164,8 @@ def placement(name: str, num_stages: int, num_chunks: int = 1) -> list[list[int]
     ([[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]])
     """
     check_chunks(name, num_chunks)
-    if kind_of(name).v_placement:
+    kind = REGISTRY.get(name)  # (None: "auto", whose first placement is one stage a rank)
+    if kind is not None and kind.v_placement:
         return virtual.v_placement(num_stages)
     return virtual.loop_placement(num_stages, num_chunks)
 

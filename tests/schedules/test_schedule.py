@@ -248,3 +248,35 @@ def test_the_docstring_examples():
 
     for module in (keras_pipe.schedules, actions, lowering, one_chunk, schedule, simulator):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_the_registry_answers_for_every_name_and_auto():
+    """Every question the engine and the model ask of a schedule name, answered by schedules/schedule.py's registry
+    (``"auto"`` too: one stage a rank until it picks), as the names were compared before the registry."""
+    from keras_pipe.schedules import schedule
+
+    assert schedule.SCHEDULES == ("1f1b", "gpipe", "zb-h1")
+    assert schedule.CHUNKED_SCHEDULES == ("interleaved-1f1b", "zb-v")
+    assert [name for name in schedule.REGISTRY if schedule.needs_split_backward(name)] == ["zb-h1", "zb-v"]
+    assert [name for name in schedule.REGISTRY if schedule.needs_whole_rounds(name)] == ["interleaved-1f1b"]
+    assert {name: schedule.default_chunks(name) for name in (*schedule.REGISTRY, "auto")} == {
+        "1f1b": 1,
+        "gpipe": 1,
+        "zb-h1": 1,
+        "interleaved-1f1b": 2,
+        "zb-v": 2,
+        "auto": 1,
+    }
+    assert schedule.placement("auto", 3) == [[0], [1], [2]]
+    assert schedule.placement("zb-v", 2, 2) == [[0, 3], [1, 2]]
+    assert schedule.placement("interleaved-1f1b", 2, 3) == [[0, 2, 4], [1, 3, 5]]
+    assert not schedule.needs_split_backward("auto") and not schedule.needs_whole_rounds("auto")
+    assert schedule.is_auto("auto") and not schedule.is_auto("1f1b")
+    with pytest.raises(PipelineConfigError, match="'zb-v' runs two chunks a rank"):
+        schedule.check_chunks("zb-v", 3)
+    with pytest.raises(PipelineConfigError, match="'interleaved-1f1b' needs num_chunks of 2 or more"):
+        schedule.check_chunks("interleaved-1f1b", 1)
+    with pytest.raises(PipelineConfigError, match="'auto' runs one chunk a rank"):
+        schedule.check_chunks("auto", 2)
+    with pytest.raises(PipelineConfigError, match="not known"):
+        schedule.kind_of("auto")
