@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from keras_pipe.stage.losses import divisor_shares
+from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
+
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -29,6 +34,24 @@ class StepInputs:
     sample_weight: Any = None
     loss: Any = None
     optimizer: Any = None
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """What :meth:`keras_pipe.engine.engine.Engine.step` gives back of a training or test step.
+
+    ``loss_part``: this stage's share of the batch loss; ``terms`` and
+    ``predictions`` (the loss terms' values, the flat model outputs of the
+    whole global batch, every replica's share gathered): the last stage's,
+    ``None`` elsewhere; ``y`` and ``sample_weight``: the step's, as the last
+    stage has them (the metrics' update reads them there).
+    """
+
+    loss_part: float
+    terms: Any = None
+    predictions: Any = None
+    y: Any = None
+    sample_weight: Any = None
 
 
 @dataclass
@@ -69,3 +92,40 @@ class StepResult:
     sums: Any = None
     divisors: Any = None
     batch_divisors: Any = None
+
+
+def stage_batch(engine, inputs: StepInputs) -> Batch:
+    """The batch as this rank's executor runs it (its micro-batches' rows; the loss's shares on the last rank).
+
+    ``engine``: this rank's :class:`~keras_pipe.engine.engine.Engine`, measured on the first batch."""
+    phase, x, batch_size, y = inputs.phase, inputs.x, inputs.batch_size, inputs.y
+    sample_weight, loss, optimizer = inputs.sample_weight, inputs.loss, inputs.optimizer
+    if loss is not None:
+        loss.masked = engine.output_masked()  # (known once measured, on the first batch)
+    first, last = replica_bounds(batch_size, engine.num_replicas)[engine.replica]
+    bounds = (
+        [(first + a, first + b) for a, b in microbatch_bounds(last - first, engine.num_microbatches)]
+        if (last > first)
+        else []
+    )
+    if bounds and phase == "train":
+        engine.compute.estimate_holding(bounds[0][1] - bounds[0][0])
+    whole = phase != "predict" and loss is not None and loss.whole_batch()
+    shares = term_weights = None
+    if loss is not None and engine.is_last:
+        shares = divisor_shares(loss.reductions(), bounds, sample_weight, batch_size, [p for p, *_ in loss.terms])
+        term_weights = np.asarray(loss.weights(), np.float64)
+    return Batch(
+        phase=phase,
+        batch_size=batch_size,
+        bounds=bounds,
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        loss=loss if engine.is_last else None,
+        shares=shares,
+        term_weights=term_weights,
+        optimizer=optimizer,
+        regularize=engine.replica == 0 and phase != "predict",
+        whole_batch_loss=whole,
+    )

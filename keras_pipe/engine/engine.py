@@ -19,35 +19,28 @@ communicates behind a property.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import replace
 
 import keras
-import numpy as np
-import tensorflow as tf
 
-from keras_pipe import compat
 from keras_pipe.engine import cutting, probe
 from keras_pipe.engine.allreduce import ReplicaReducer, TiedReducer
-from keras_pipe.engine.batch import Batch, StepInputs
+from keras_pipe.engine.batch import StepDone, StepInputs, stage_batch
 from keras_pipe.engine.chunks import Chunk, ChunkComm, Mailbox
 from keras_pipe.engine.consistency import StepAgreement
-from keras_pipe.engine.executor import Executor, rows
+from keras_pipe.engine.executor import Executor
 from keras_pipe.engine.layer_checks import LayerChecks
 from keras_pipe.engine.links import Links
 from keras_pipe.engine.logs import LogSharing
 from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.engine.picking import SchedulePicking
 from keras_pipe.engine.placement import Placement
-from keras_pipe.errors import PipelineConfigError
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
 from keras_pipe.mpi.runtime import join_job
 from keras_pipe.schedules.auto import SchedulePicker, microbatch_candidates, schedule_candidates
 from keras_pipe.schedules.schedule import is_auto
 from keras_pipe.stage.compute import Masked, StageCompute
-from keras_pipe.stage.losses import divisor_shares
-from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
 
 
 def _placed(name: str, doc: str) -> property:
@@ -265,50 +258,6 @@ class Engine:
         held = set(self.stage_units())
         graphs.release([layer for unit, layer in self.graph.units.items() if unit not in held])
 
-    def measure(self, x: list | None) -> None:
-        """The first batch's real forward (collective over the pipeline): what each crossing carries.
-
-        ``x``: first stage, the batch's model inputs; the first micro-batch's rows are used.
-        """
-        if self.masks is not None:
-            return
-        sample = None
-        if self.is_first:
-            present = next(t for t in x if t is not None)  # (None: an optional input not given)
-            first = microbatch_bounds(int(present.shape[0]), self.num_microbatches)[0][1]
-            sample = [rows(t, 0, first) for t in x]
-        self.world.doing = "measuring the model's masks and shapes on the first micro-batch"
-        parts = [(chunk.compute.stage, chunk.compute.calls, chunk.links) for chunk in self.chunks]
-        # The measuring forward is not one of the model's calls: what it changes in the layers' state (a layer
-        # counting its calls, a statistic updated in the forward) is put back, so that the state is Keras'.
-        state = [
-            (v, v.numpy())
-            for unit in self.stage_units()
-            for v in self.graph.units[unit].non_trainable_variables
-            if not compat.unallocated(v)
-        ]
-        measured, notes = probe.measure(None, None, None, self.pipeline, sample, eager=self.eager, chunks=parts)
-        for variable, value in state:
-            variable.assign(value)
-        if notes and self.options.auto_microbatches:  # (the same on every rank)
-            raise PipelineConfigError(
-                "num_microbatches='auto' times several numbers of micro-batches, each of which would train this "
-                "model differently: " + notes[0]
-            )
-        for note in notes:  # (the same on every rank)
-            warnings.warn(note, stacklevel=2)
-        problems = probe.differences(self.cut.graph, measured) + probe.rows_not_first(self.cut, measured)
-        if problems:
-            raise PipelineConfigError(
-                "the model's tensors do not have the shapes its graph says: " + "; ".join(problems[:5])
-            )
-        self.masks = probe.masks_of(self.cut.graph, measured)
-        for chunk in self.chunks:
-            chunk.compute.set_masks(self.masks)
-            if chunk.links is not None:
-                chunk.links.set_masks(self.masks)
-        self.actions.forget()
-
     def output_masked(self) -> list[bool]:
         """For each flat model output, whether it carries a Keras mask (measured; the graph's until then)."""
         masks = self.masks or {t: tensor.mask for t, tensor in enumerate(self.cut.graph.tensors)}
@@ -332,79 +281,55 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------
 
-    def exchange_targets(self, inputs: StepInputs) -> StepInputs:
-        """The step's inputs with its targets and sample weights where the last stage needs them (collective)."""
+    def step(self, inputs: StepInputs, loss_for=None, ready=None):
+        """One step of the global batch (collective), the model's one call into the engine a step.
+
+        ``"train"`` and ``"test"``: the targets and sample weights go where the
+        last stage needs them; ``loss_for(y)`` gives the step's
+        :class:`~keras_pipe.stage.losses.MicrobatchLoss` (from the targets as
+        the last stage has them); on ``schedule="auto"``'s first training batch
+        the candidates are timed and every rank takes the fastest; then
+        ``ready(picked)`` (the model follows a new placement, builds its
+        optimizer) and the batch runs. Returns a
+        :class:`~keras_pipe.engine.batch.StepDone`.
+
+        ``"predict"``: the batch runs and every rank returns the whole batch's
+        flat predictions.
+        """
+        if inputs.phase == "predict":
+            flat = self._run(inputs)[2]
+            if flat is not None:
+                flat = [p.tensor if isinstance(p, Masked) else p for p in flat]
+            return self.predictions.broadcast_predictions(flat, inputs.batch_size, self.cut.graph)
         y, sample_weight = self.predictions.exchange_targets(
             inputs.y, inputs.sample_weight, inputs.batch_size, self.chunks
         )
-        return replace(inputs, y=y, sample_weight=sample_weight)
+        inputs = replace(inputs, y=y, sample_weight=sample_weight)
+        if loss_for is not None:
+            inputs = replace(inputs, loss=loss_for(y))
+        picked = self.pick(inputs)
+        if ready is not None:
+            ready(picked)
+        loss_part, terms, flat = self._run(inputs)
+        return StepDone(loss_part, terms, flat, y, sample_weight)
 
-    def run(self, inputs: StepInputs):
-        """Runs one global batch through this stage: ``(loss share, term values, flat predictions)``.
-
-        ``predictions`` are the global batch's flat model outputs on the last
-        stage (every replica's share, gathered), else ``None``.
-        """
-        phase, batch_size = inputs.phase, inputs.batch_size
+    def _run(self, inputs: StepInputs):
+        """Runs one global batch through this stage: ``(loss share, term values, flat predictions)``."""
         result = self.run_batch(inputs)
         if not self.is_last:
             return result.loss_part, None, None
-        outputs = len(self.cut.graph.outputs)
-        parts = [p for p in result.predictions if p is not None] or [
-            self.predictions.none(phase, self.cut.graph, self.masks)
-        ]
-        flat = []
-        for k in range(outputs):
-            pieces = [p[k] for p in parts]
-            if isinstance(pieces[0], Masked):
-                flat.append(Masked(*(tf.concat(part, axis=0) for part in zip(*pieces))))
-            else:
-                flat.append(tf.concat(pieces, axis=0))
-        return result.loss_part, result.terms, [self.predictions.gather_replicas(p, batch_size) for p in flat]
+        flat = self.predictions.joined(result.predictions, inputs.phase, self.cut.graph, self.masks)
+        return result.loss_part, result.terms, [self.predictions.gather_replicas(p, inputs.batch_size) for p in flat]
 
     def run_batch(self, inputs: StepInputs):
         """The batch's actions on this rank's chunks, run: the executor's result (a step's, or a timing's)."""
-        batch = self._batch(inputs)
+        probe.measure_first_batch(self, inputs.x)
+        batch = stage_batch(self, inputs)
         bounds = batch.bounds
         actions = (
             self.actions.for_batch(self.chunks, inputs.phase, len(bounds), batch.whole_batch_loss) if bounds else []
         )
         return self.executor.run(actions, batch)
-
-    def _batch(self, inputs: StepInputs) -> Batch:
-        """The batch as this rank's executor runs it (its micro-batches' rows; the loss's shares on the last rank)."""
-        phase, x, batch_size, y = inputs.phase, inputs.x, inputs.batch_size, inputs.y
-        sample_weight, loss, optimizer = inputs.sample_weight, inputs.loss, inputs.optimizer
-        self.measure(x)
-        if loss is not None:
-            loss.masked = self.output_masked()  # (known once measured, on the first batch)
-        first, last = replica_bounds(batch_size, self.num_replicas)[self.replica]
-        bounds = (
-            [(first + a, first + b) for a, b in microbatch_bounds(last - first, self.num_microbatches)]
-            if (last > first)
-            else []
-        )
-        if bounds and phase == "train":
-            self.compute.estimate_holding(bounds[0][1] - bounds[0][0])
-        whole = phase != "predict" and loss is not None and loss.whole_batch()
-        shares = term_weights = None
-        if loss is not None and self.is_last:
-            shares = divisor_shares(loss.reductions(), bounds, sample_weight, batch_size, [p for p, *_ in loss.terms])
-            term_weights = np.asarray(loss.weights(), np.float64)
-        return Batch(
-            phase=phase,
-            batch_size=batch_size,
-            bounds=bounds,
-            x=x,
-            y=y,
-            sample_weight=sample_weight,
-            loss=loss if self.is_last else None,
-            shares=shares,
-            term_weights=term_weights,
-            optimizer=optimizer,
-            regularize=self.replica == 0 and phase != "predict",
-            whole_batch_loss=whole,
-        )
 
     # -- schedule="auto" (collective: keras_pipe.engine.picking) ----------------------------
 

@@ -50,6 +50,19 @@ class PredictionExchange:
                 empty.append(Masked(y_pred, tf.zeros((0,) + tuple(d or 1 for d in mask[1:]), tf.bool)))
         return empty
 
+    def joined(self, predictions: list, phase: str, graph, masks: dict | None) -> list:
+        """Last stage: the flat model outputs of this replica's share, its micro-batches' joined in order
+        (``predictions``: each micro-batch's flat outputs, ``None`` where it made none)."""
+        parts = [p for p in predictions if p is not None] or [self.none(phase, graph, masks)]
+        flat = []
+        for k in range(len(graph.outputs)):
+            pieces = [p[k] for p in parts]
+            if isinstance(pieces[0], Masked):
+                flat.append(Masked(*(tf.concat(part, axis=0) for part in zip(*pieces))))
+            else:
+                flat.append(tf.concat(pieces, axis=0))
+        return flat
+
     def gather_replicas(self, y_pred, batch_size: int):
         """Last stage: the whole global batch's predictions (``Masked`` ones too), every replica's share, in order."""
         if self.replicas is None:

@@ -30,10 +30,15 @@ named in a warning on every rank (:func:`batch_loss_notes`).
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from keras_pipe import compat
+from keras_pipe.engine import executor
+from keras_pipe.errors import PipelineConfigError
 from keras_pipe.stage.compute import Masked
+from keras_pipe.stage.microbatch import microbatch_bounds
 
 
 def measure(stage, calls, links, pipeline, sample: list | None, eager: bool = False, chunks=None) -> dict:
@@ -255,3 +260,50 @@ def differences(graph, measured: dict) -> list[str]:
         if dtype != tensor.dtype:  # (links send a tensor's bytes as the graph's dtype)
             notes.append(f"{tensor.name!r} is {dtype} on real tensors but {tensor.dtype} in the model's graph")
     return notes
+
+
+def measure_first_batch(engine, x: list | None) -> None:
+    """The first batch's real forward (collective over the pipeline): what each crossing carries, kept as
+    ``engine.masks`` (once: later batches return at once).
+
+    ``engine``: this rank's :class:`~keras_pipe.engine.engine.Engine`; ``x``: first stage, the batch's model
+    inputs, whose first micro-batch's rows are used.
+    """
+    if engine.masks is not None:
+        return
+    sample = None
+    if engine.is_first:
+        present = next(t for t in x if t is not None)  # (None: an optional input not given)
+        first = microbatch_bounds(int(present.shape[0]), engine.num_microbatches)[0][1]
+        sample = [executor.rows(t, 0, first) for t in x]
+    engine.world.doing = "measuring the model's masks and shapes on the first micro-batch"
+    parts = [(chunk.compute.stage, chunk.compute.calls, chunk.links) for chunk in engine.chunks]
+    # The measuring forward is not one of the model's calls: what it changes in the layers' state (a layer
+    # counting its calls, a statistic updated in the forward) is put back, so that the state is Keras'.
+    state = [
+        (v, v.numpy())
+        for unit in engine.stage_units()
+        for v in engine.graph.units[unit].non_trainable_variables
+        if not compat.unallocated(v)
+    ]
+    measured, notes = measure(None, None, None, engine.pipeline, sample, eager=engine.eager, chunks=parts)
+    for variable, value in state:
+        variable.assign(value)
+    if notes and engine.options.auto_microbatches:  # (the same on every rank)
+        raise PipelineConfigError(
+            "num_microbatches='auto' times several numbers of micro-batches, each of which would train this "
+            "model differently: " + notes[0]
+        )
+    for note in notes:  # (the same on every rank)
+        warnings.warn(note, stacklevel=2)
+    problems = differences(engine.cut.graph, measured) + rows_not_first(engine.cut, measured)
+    if problems:
+        raise PipelineConfigError(
+            "the model's tensors do not have the shapes its graph says: " + "; ".join(problems[:5])
+        )
+    engine.masks = masks_of(engine.cut.graph, measured)
+    for chunk in engine.chunks:
+        chunk.compute.set_masks(engine.masks)
+        if chunk.links is not None:
+            chunk.links.set_masks(engine.masks)
+    engine.actions.forget()

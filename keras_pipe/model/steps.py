@@ -8,8 +8,6 @@ runs the step, and every rank gets the same logs (or predictions).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -19,7 +17,6 @@ from keras_pipe.engine.batch import StepInputs
 from keras_pipe.errors import PipelineConfigError
 from keras_pipe.model.calls import batch_size_of, stood_in, target_likes
 from keras_pipe.model.feeding import Drawn
-from keras_pipe.stage.compute import Masked
 from keras_pipe.stage.losses import MicrobatchLoss
 
 
@@ -74,17 +71,21 @@ class ModelSteps:
                 "ragged or sparse labels cannot travel from the first stage, which pairs them with the inputs, to the "
                 "last, which computes the loss: give dense labels (padded, with sample weights), or train on one rank."
             )
-        inputs = StepInputs(phase=phase, x=flat_x, batch_size=batch_size, y=y, sample_weight=sample_weight)
-        inputs = engine.exchange_targets(inputs)
         optimizer = model.optimizer
-        inputs = replace(inputs, loss=self.microbatch_loss(inputs.y), optimizer=optimizer)
-        if engine.pick(inputs):  # (schedule="auto": its candidates timed on this first training batch)
-            self.builder.follow_engine()
-        if phase == "train" and optimizer is not None and not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        loss_part, terms, flat = engine.run(inputs)
-        y, sample_weight = inputs.y, inputs.sample_weight
-        self.last_logs = self.logs.step_logs(phase, loss_part, terms, batch_size, y, flat, sample_weight)
+        inputs = StepInputs(
+            phase=phase, x=flat_x, batch_size=batch_size, y=y, sample_weight=sample_weight, optimizer=optimizer
+        )
+
+        def ready(picked: bool) -> None:
+            if picked:  # (schedule="auto" timed its candidates on this batch: this rank may hold other layers)
+                self.builder.follow_engine()
+            if phase == "train" and optimizer is not None and not optimizer.built:
+                optimizer.build(model.trainable_variables)
+
+        done = engine.step(inputs, self.microbatch_loss, ready)
+        self.last_logs = self.logs.step_logs(
+            phase, done.loss_part, done.terms, batch_size, done.y, done.predictions, done.sample_weight
+        )
         return self.last_logs
 
     def predict(self, data):
@@ -93,10 +94,7 @@ class ModelSteps:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         flat_x = self.inputs(x)  # (first: it checks the inputs' shapes, a scalar's among them, in Keras' words)
         batch_size = batch_size_of(data)
-        _, _, flat = engine.run(StepInputs(phase="predict", x=flat_x, batch_size=batch_size))
-        if flat is not None:
-            flat = [p.tensor if isinstance(p, Masked) else p for p in flat]
-        flat = engine.predictions.broadcast_predictions(flat, batch_size, engine.cut.graph)
+        flat = engine.step(StepInputs(phase="predict", x=flat_x, batch_size=batch_size))
         return keras.tree.pack_sequence_as(engine.graph.output_structure(), flat)
 
     def microbatch_loss(self, y) -> MicrobatchLoss:
