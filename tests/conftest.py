@@ -18,45 +18,39 @@ compiled from the same HLO is loaded instead of compiled again. The launches
 share the unsplit reference models' trained results the same way
 (``$KERAS_PIPE_TEST_REFERENCES``, ``tests/mpi_scripts/common.py``).
 
-The test files ``LONGEST_FIRST`` names run before the rest (in that order),
-so that no long test starts last on one worker while the others have nothing
-left; ``alone`` tests run at the end, when the tests beside them are short
-ones (a worker is given one test at a time: ``--maxschedchunk 1``).
+The tests ``tests/longest_first.txt`` names run before the rest, longest
+first (a whole run with ``--record-longest-first`` writes it), so that no
+long test starts last on one worker while the others have nothing left;
+``alone`` tests run at the end, when the tests beside them are short ones
+(a worker is given one test at a time: ``--maxschedchunk 1``).
 """
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import inspect
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
-LONGEST_FIRST = [
-    "test_features.py",
-    "test_models.py",
-    "test_keras_conformance.py",
-    "test_equivalence.py",
-    "test_fine_tuning.py",
-    "test_optimizers.py",
-    "test_notebook.py",
-    "test_network.py",
-    "test_chunks.py",
-    "test_subclassed.py",
-    "test_saving.py",
-    "test_generation.py",
-    "test_bad_input.py",
-    "test_failure_matrix.py",
-    "test_callbacks.py",
-    "test_replicas.py",
-    "test_feeding.py",
-    "test_property.py",
-    "test_dropin.py",
-    "test_readme.py",
-    "test_timeline.py",
-]
+# The tests that run first, longest first (seconds, then the test's id): written by a whole run with
+# ``--record-longest-first``, never by hand (docs/suite_time.md). A test it does not name runs after those it names.
+LONGEST_FIRST_FILE = Path(__file__).with_name("longest_first.txt")
+RECORDED_ABOVE = 10.0  # (seconds: a test shorter than that is left out of the file)
+
+
+def longest_first() -> dict[str, int]:
+    """``{test id: its place}`` from :data:`LONGEST_FIRST_FILE` (empty where there is none)."""
+    try:
+        lines = LONGEST_FIRST_FILE.read_text().splitlines()
+    except OSError:
+        return {}
+    ids = [line.split(None, 1)[1] for line in lines if line.strip() and not line.startswith("#")]
+    return {test: place for place, test in enumerate(ids)}
 
 
 XLA_CACHE = "--tf_xla_persistent_cache_directory"
@@ -69,6 +63,13 @@ def pytest_addoption(parser):
         default=os.environ.get("KERAS_PIPE_SLOW", "") not in ("", "0"),
         help="also run the tests marked slow (the layouts and families the default suite leaves to this tier; "
         "KERAS_PIPE_SLOW=1 does the same)",
+    )
+    parser.addoption(
+        "--record-longest-first",
+        action="store_true",
+        default=False,
+        help=f"write each test's seconds to tests/{LONGEST_FIRST_FILE.name}, longest first (the order the next runs "
+        "start the tests in; record it on a whole default run)",
     )
 
 
@@ -121,13 +122,34 @@ def pytest_collection_modifyitems(config, items):
         if _launches_ranks(item):
             item.add_marker(pytest.mark.mpi)
 
+    order = longest_first()
+
     def rank(item):
         if item.get_closest_marker("alone") is not None:
-            return len(LONGEST_FIRST) + 1  # last: then the other worker's tests are short ones
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+            return len(order) + 1  # last: then the other worker's tests are short ones
+        return order.get(item.nodeid, len(order))
 
     items.sort(key=rank)  # stable: each file's own order is kept
+
+
+_SECONDS: collections.Counter = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    """Each test's seconds, setup to teardown (on the controller under xdist: the workers' reports reach it)."""
+    _SECONDS[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if not config.getoption("--record-longest-first") or hasattr(config, "workerinput"):
+        return
+    recorded = sorted(((s, test) for test, s in _SECONDS.items() if s >= RECORDED_ABOVE), reverse=True)
+    header = (
+        "# Written by `python -m pytest --record-longest-first` (tests/conftest.py): each test's seconds on the run\n"
+        "# that wrote it, longest first; the suite starts them in this order. Never edit it by hand.\n"
+    )
+    LONGEST_FIRST_FILE.write_text(header + "".join(f"{s:8.1f} {test}\n" for s, test in recorded))
 
 
 _LAUNCHING = ("run_mpi(", "mpirun")

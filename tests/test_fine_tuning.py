@@ -17,12 +17,12 @@ CASES = {
     1: ["guide_subclassed", "preset"],
     2: ["child", "lora", "qlora", "guide", "llama_lora_auto", "unseeded_shared"],
     # (unseeded_shared on 2 ranks only: its second holder is rank P - 1 on 4 too, by the same mapping. child, lora
-    # and guide too: guide_unallocated runs the guide's phases with a frozen base on middle stages, llama_lora LoRA
-    # at every depth)
-    4: ["guide_unallocated", "llama_lora", "preset"],
+    # and guide too: guide_unallocated runs the guide's phases with a frozen base on middle stages)
+    4: ["guide_unallocated", "preset"],
 }
-# The slow tier (docs/suite_time.md): the cases above on two ranks as well
-SLOW = {2: ["guide_subclassed", "guide_unallocated", "llama_lora", "preset"]}
+# The slow tier (docs/suite_time.md): the cases above on two ranks as well, and LoRA at every depth of a keras_hub
+# Llama on four (llama_lora_auto trains keras_hub's LoRA on a Llama on two ranks in the default suite)
+SLOW = {2: ["guide_subclassed", "guide_unallocated", "llama_lora", "preset"], 4: ["llama_lora"]}
 
 
 @pytest.mark.parametrize(

@@ -12,23 +12,22 @@ HUB = ["encoder", "decoder", "gpt2", "bert"]
 GRAPHS = ["skip", "multi", "dynamic", "resnet", "child", "partial"]
 
 
-# Two ranks: BERT's two Functional models (several inputs, two outputs with a loss each), and with AdamW the forms
-# of sparse gradients (issue 39): ViT (fixed position ids) and T5 (encoder-decoder). Four ranks: the encoder's and
+# Two ranks: BERT's two Functional models (several inputs, two outputs with a loss each), with AdamW the forms of
+# sparse gradients (issue 39) of T5 (encoder-decoder), and Llama and GPT-2 under interleaved 1F1B and ZB-V (the
+# embedding on the first and the last virtual stage: GPT-2's tied one under ZB-V). Four ranks: the encoder's and
 # decoder's masks micro-batched and crossing three boundaries, Llama (rotary, untied embeddings) and Mixtral (mixture
-# of experts), and Llama and GPT-2 under interleaved 1F1B and ZB-V (the embedding on the first and the last virtual
-# stage: GPT-2's tied one under ZB-V). The slow tier (docs/suite_time.md): GPT-2 under 1F1B on four ranks (its tied
-# embedding crosses from the first to the last rank; GPT-2 on two ranks trains again in test_saving.py, resumed
-# there, equal to an uninterrupted run), the encoder and BERT with two chunks a rank (ZB-V, interleaved 1F1B;
-# tests/engine/test_chunks.py runs chunked schedules on two ranks), and the two-rank half of the chunked language
-# models (Llama under ZB-V, GPT-2 interleaved, schedule="auto" cutting the model again for ZB-V;
-# tests/test_fine_tuning.py's llama_lora_auto cuts again on two ranks as well).
+# of experts). The slow tier (docs/suite_time.md): GPT-2 under 1F1B on four ranks (its tied embedding crosses from
+# the first to the last rank; GPT-2 on two ranks trains again in test_saving.py, resumed there, equal to an
+# uninterrupted run), the chunked language models on four ranks, ViT (its fixed position ids: the lookup of fixed
+# ids in tests/test_optimizers.py, with every optimizer), and the encoder and BERT with two chunks a rank (ZB-V,
+# interleaved 1F1B; tests/engine/test_chunks.py runs chunked schedules on two ranks).
 @pytest.mark.parametrize(
     "nprocs, cases",
     [
-        (2, ["bert", "vit", "t5"]),
-        (4, ["encoder", "decoder", "llama", "mixtral", "shared_chunks"]),
-        pytest.param(2, ["chunked", "shared_chunks"], marks=pytest.mark.slow),
-        pytest.param(4, ["gpt2"], marks=pytest.mark.slow),
+        (2, ["bert", "t5", "shared_chunks"]),
+        (4, ["encoder", "decoder", "llama", "mixtral"]),
+        pytest.param(2, ["chunked", "vit"], marks=pytest.mark.slow),
+        pytest.param(4, ["gpt2", "shared_chunks"], marks=pytest.mark.slow),
     ],
     ids=["2", "4", "2-slow", "4-slow"],
 )

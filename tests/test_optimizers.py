@@ -17,7 +17,8 @@ OPTIMIZERS = (
 ).split()
 # two replicas of two stages: the sparse gradients summed over replicas as over micro-batches
 REPLICATED = ["adam", "adamw", "adam_global_clipnorm", "loss_scale_adam"]
-# Four stages: the same forms of gradient cut at more places. Every optimizer meets every form on two stages;
+# Four stages (the slow tier): the same forms of gradient cut at more places. Every optimizer meets every form on two
+# stages, and Adam, AdamW and loss scaling on two replicas of two;
 # on four, the ones whose update reads the form itself (squares or signs of slices, accumulators, factored
 # moments, decay of an unread weight, accumulated steps) and SGD as the linear baseline. (All 21 on four
 # ranks cost the suite about 100 s more of a 4-rank launch.)
@@ -37,7 +38,7 @@ SHARDED_SLOW = ["ftrl", "adamw_ema", "adam_accumulation"]
     "nprocs, args, cases",
     [
         (2, [SHARDED_ON_TWO], OPTIMIZERS),
-        (4, [], FOUR_STAGES),
+        pytest.param(4, [], FOUR_STAGES, marks=pytest.mark.slow),
         (4, ["--stages", "2", "--sharded"], REPLICATED),
         pytest.param(2, ["--sharded=" + ",".join(SHARDED_SLOW)], SHARDED_SLOW, marks=pytest.mark.slow),
     ],

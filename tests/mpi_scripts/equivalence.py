@@ -34,10 +34,11 @@ CONFIGURATIONS += [(split_layers, 8, "interleaved-1f1b", False), (layers, 4, "zb
 # num_microbatches="auto" (four ranks): its first step times m = P, 2P, 4P (1F1B), then every rank trains with
 # the one it picked; the fit equals Sequential's whichever it picked
 CONFIGURATIONS += [(split_layers, "auto", "1f1b", False)]
-# The suite's time (each configuration compiles its programs anew): four ranks train every configuration (with
-# --extras, the suite's launch), three ranks (the slow tier) a subset on stages of unequal size, one rank four of them
+# The suite's time (each configuration compiles its programs anew): four ranks (with --extras, the suite's launch)
+# train eight, every schedule, chunked and automatic choice among them; three ranks (the slow tier) a subset on stages
+# of unequal size, the rest of the twelve (one micro-batch; the plain chain under GPipe) among them, and one rank four
 # as a single stage. Any other number of ranks (by hand) trains every configuration.
-SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8]}
+SUBSETS = {1: [1, 3, 4, 7], 3: [0, 2, 5, 6, 8], 4: [1, 4, 5, 6, 8, 9, 10, 11]}
 CONFIGURATIONS = [CONFIGURATIONS[i] for i in SUBSETS.get(SIZE, range(len(CONFIGURATIONS)))]
 
 

@@ -261,8 +261,9 @@ def shared_chunks(case):
     interleaved 1F1B they are on the first and the last rank (summed over the ranks). Llama's untied embedding
     (two weights of one layer) and GPT-2's tied one (one weight, looked up and projected with), with AdamW and
     Adam: each weight's gradient reaches the optimizer in the form Keras' step gives it."""
-    # (two ranks and four split the four runs between them: each schedule and each embedding on some rank count)
-    runs = [(llama, "zb-v"), (gpt2, "interleaved-1f1b")] if SIZE <= 2 else [(llama, "interleaved-1f1b"), (gpt2, "zb-v")]
+    # (two ranks and four split the four runs between them: each schedule and each embedding on some rank count; the
+    # default suite's two ranks the tied embedding in rank 0's two chunks under ZB-V)
+    runs = [(llama, "interleaved-1f1b"), (gpt2, "zb-v")] if SIZE <= 2 else [(llama, "zb-v"), (gpt2, "interleaved-1f1b")]
     for make, schedule in runs:
         make(f"{case} {make.__name__} {schedule}", schedule=schedule)
     if SIZE == 2:  # schedule="auto" taking ZB-V: the model cut again after the timing, the embedding's two chunks
