@@ -24,23 +24,20 @@ from dataclasses import replace
 import keras
 
 from keras_pipe.engine import cutting, probe
-from keras_pipe.engine.allreduce import ReplicaReducer, TiedReducer
 from keras_pipe.engine.batch import StepDone, StepInputs, stage_batch
-from keras_pipe.engine.chunks import Chunk, ChunkComm, Mailbox
 from keras_pipe.engine.consistency import StepAgreement
-from keras_pipe.engine.executor import Executor
 from keras_pipe.engine.layer_checks import LayerChecks
-from keras_pipe.engine.links import Links
 from keras_pipe.engine.logs import LogSharing
 from keras_pipe.engine.options import PipelineOptions
 from keras_pipe.engine.picking import SchedulePicking
 from keras_pipe.engine.placement import Placement
+from keras_pipe.engine.stage_build import build_chunks
 from keras_pipe.graph import cut as cuts
 from keras_pipe.graph import graph as graphs
 from keras_pipe.mpi.runtime import join_job
 from keras_pipe.schedules.auto import SchedulePicker, microbatch_candidates, schedule_candidates
 from keras_pipe.schedules.schedule import is_auto
-from keras_pipe.stage.compute import Masked, StageCompute
+from keras_pipe.stage.compute import Masked
 
 
 def _placed(name: str, doc: str) -> property:
@@ -192,59 +189,10 @@ class Engine:
         own = self.own_layers()
         graphs.allocate(own)
         self.checks.batch_statistics(model_graph, self.num_microbatches, self.options.auto_microbatches)
-        mailbox = Mailbox()  # (what this rank's chunks hand each other: engine.chunks)
-        self.chunks = [self._chunk(k, mailbox) for k in self.placement[self.stage]]
-        self.compute, self.links = self.chunks[0].compute, self.chunks[0].links
-        reducer = ReplicaReducer(self.replicas) if self.replicas is not None else None
-        tied = TiedReducer.create(self.pipeline, the_cut, self.stage, model_graph, self.virtual_ranks)
-        pipeline_sum = self.pipeline.allreduce_sum if self.num_stages > 1 else None
-        self.executor = Executor(
-            self.compute,
-            self.links,
-            reducer,
-            is_first=self.is_first,
-            is_last=self.is_last,
-            status=self.world,
-            where=self.where,
-            pipeline_sum=pipeline_sum,
-            tied=tied,
-            chunks=self.chunks,
-        )
-        self.executor.tracer = self._tracer
+        build_chunks(self)
         if release:
             self.release_others()
         return own
-
-    def _chunk(self, k: int, mailbox: Mailbox) -> Chunk:
-        """Virtual stage ``k`` of the cut (this rank's stage, with one chunk a rank): its compute and links.
-
-        ``mailbox``: what this rank's chunks hand each other (:class:`~keras_pipe.engine.chunks.Mailbox`)."""
-        the_cut, model_graph = self.cut, self.graph
-        plain = model_graph.plain
-        stage = the_cut.stages[k]
-        own = [model_graph.units[unit] for unit in stage.units]
-        calls = [model_graph.calls[n] for n in stage.nodes]
-        last = len(the_cut.stages) - 1
-        output_structure = model_graph.output_structure() if k == last else None
-        regularized = [model_graph.units[u] for u in stage.units if min(the_cut.shared.get(u, [k])) == k]
-        compute = StageCompute(
-            stage,
-            calls,
-            plain,
-            own,
-            jit=self.jit,
-            eager=self.eager,
-            recompute=self.recompute,
-            output_structure=output_structure,
-            regularized=regularized,
-            frozen=self.frozen,
-        )
-        links = None
-        if self.num_chunks > 1:
-            links = Links(ChunkComm(self.pipeline, self.virtual_ranks, k, mailbox), stage, plain.tensors)
-        elif self.num_stages > 1:
-            links = Links(self.pipeline, stage, plain.tensors)
-        return Chunk(compute, links, k == 0, k == last)
 
     def reset(self) -> None:
         """Forgets the cut and the stage (one rank, whose layers changed: it is built again)."""
