@@ -2,7 +2,9 @@
 
 ``tests/mpi_scripts/feeding.py`` counts, on every rank, the samples its data sources produce through whole
 ``fit`` (two epochs, with validation), ``evaluate`` and ``predict`` calls, and compares the losses, metrics,
-weights and predictions with the unsplit model's.
+weights and predictions with the unsplit model's: a tf.data pipeline, a PyDataset with sample weights, a generator of
+unknown length, an infinite dataset with class weights, a fit from ``initial_epoch=1``, and dicts of inputs and of
+outputs (a loss and a metric by output name) through tf.data.
 """
 
 import json
@@ -13,7 +15,14 @@ from mpi import run_mpi
 
 # What Keras' loop reads in one process for each case (``mpirun -n 1 feeding.py`` prints it): a PyDataset's
 # adapter reads some batches twice (Keras peeks at the first to learn their structure).
-ONE_PROCESS = {"tf.data": 512, "PyDataset": 720, "generator": 512, "infinite with class weights": 416}
+ONE_PROCESS = {
+    "tf.data": 512,
+    "PyDataset": 720,
+    "generator": 512,
+    "infinite with class weights": 416,
+    "initial epoch": 304,  # (one epoch of two: 160 + 48 validation, then 48 evaluated and 48 predicted)
+    "dicts": 512,
+}
 
 
 @pytest.mark.parametrize("ranks, stages", [(2, 2), (4, 2)], ids=["2 stages", "2 stages x 2 replicas"])

@@ -147,6 +147,84 @@ whole_run(  # (steps_per_epoch shorter than the data; class weights become sampl
     class_weight=WEIGHTS,
 )
 
+whole_run(  # (fit from a later epoch: Keras' loop counts the epochs from initial_epoch, on every rank)
+    "initial epoch",
+    lambda: tf_data(x, y),
+    lambda: tf_data(vx, vy),
+    lambda: tf_data(vx, vy),
+    {"initial_epoch": 1},
+    initial_epoch=1,
+)
+
+
+# Dicts of inputs and of outputs, a loss and a metric by output name, through a tf.data pipeline.
+def dict_graph():
+    keras.utils.set_random_seed(5)
+    a, b = keras.Input((8,), name="a"), keras.Input((4,), name="b")
+    hidden = keras.layers.Concatenate()([a, b])
+    for width, activation in ((16, "relu"), (16, "tanh"), (16, "relu")):
+        hidden = keras.layers.Dense(width, activation=activation)(hidden)
+    outputs = {
+        "labels": keras.layers.Dense(3, activation="softmax", name="labels")(hidden),
+        "score": keras.layers.Dense(1, name="score")(hidden),
+    }
+    return {"a": a, "b": b}, outputs
+
+
+def dict_compile():
+    return dict(
+        jit_compile=False,
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss={"labels": "sparse_categorical_crossentropy", "score": "mse"},
+        metrics={"labels": ["accuracy"]},
+    )
+
+
+def as_dicts(xs, ys, weights):
+    return {"a": xs[:, :8], "b": xs[:, 8:]}, {"labels": ys, "score": weights.reshape(-1, 1)}
+
+
+def dict_data(xs, ys, weights, targets=True):
+    inputs, outputs = as_dicts(xs, ys, weights)
+
+    def count_then_pass(batch_inputs, *rest):
+        first = tf.numpy_function(counted, [batch_inputs["a"]], tf.float32)
+        first.set_shape(batch_inputs["a"].shape)
+        return ({**batch_inputs, "a": first}, *rest)
+
+    parts = (inputs, outputs) if targets else (inputs,)
+    return tf.data.Dataset.from_tensor_slices(parts).batch(BATCH).map(count_then_pass)
+
+
+_, _, vsw = data(n=48, seed=1)
+pipeline = PipelineModel(*dict_graph(), num_stages=STAGES, num_microbatches=2)
+pipeline.compile(**dict_compile())
+history = pipeline.fit(dict_data(x, y, sw), validation_data=dict_data(vx, vy, vsw), epochs=2, verbose=0).history
+evaluated = pipeline.evaluate(dict_data(vx, vy, vsw), verbose=0)
+predicted = pipeline.predict(dict_data(vx, vy, vsw, targets=False), verbose=0)
+dict_weights = pipeline.get_weights()
+counts_everywhere("dicts")
+reference = keras.Model(*dict_graph())
+reference.compile(**dict_compile())
+expected = trained_on_rank_0(
+    reference,
+    fit=dict(zip(("x", "y"), as_dicts(x, y, sw)))
+    | dict(batch_size=BATCH, validation_data=as_dicts(vx, vy, vsw), epochs=2, shuffle=False, verbose=0),
+    evaluate=dict(zip(("x", "y"), as_dicts(vx, vy, vsw))) | dict(batch_size=BATCH),
+    predict=dict(x=as_dicts(vx, vy, vsw)[0], batch_size=BATCH),
+)
+assert sorted(history) == sorted(expected["history"]), (sorted(history), sorted(expected["history"]))
+assert sorted(predicted) == ["labels", "score"], sorted(predicted)
+assert_close(predicted["score"], expected["predict"]["score"], "dicts: predict score")
+check(
+    "dicts",
+    history,
+    dict_weights,
+    evaluated,
+    predicted["labels"],
+    dict(expected, predict=expected["predict"]["labels"]),
+)
+
 
 # The user's map raises on the reading rank: the same error on every rank, and the job goes on.
 def broken(batch_x, batch_y):
