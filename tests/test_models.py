@@ -20,7 +20,8 @@ GRAPHS = ["skip", "multi", "dynamic", "resnet", "child", "partial"]
 # the first to the last rank; GPT-2 on two ranks trains again in test_saving.py, resumed there, equal to an
 # uninterrupted run), the chunked language models on four ranks, ViT (its fixed position ids: the lookup of fixed
 # ids in tests/test_optimizers.py, with every optimizer), and the encoder and BERT with two chunks a rank (ZB-V,
-# interleaved 1F1B; tests/engine/test_chunks.py runs chunked schedules on two ranks).
+# interleaved 1F1B; tests/engine/test_chunks.py runs chunked schedules on two ranks) with schedule="auto" cutting a
+# Llama again for ZB-V (tests/test_fine_tuning.py's llama_lora_auto cuts a LoRA Llama again on two ranks).
 @pytest.mark.parametrize(
     "nprocs, cases",
     [

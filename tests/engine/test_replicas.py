@@ -12,9 +12,10 @@ import pytest
 from mpi import run_mpi
 
 
-# 4 ranks (2 x 2 and 1 x 4): the same script in test_network.py, over TCP between "hosts" (one
-# launch of 90 s fewer in the suite, and the harder transport).
-@pytest.mark.parametrize("nprocs", [2])
+# 4 ranks (2 x 2): the same script and cases in test_network.py, over TCP between "hosts" (the harder transport),
+# in the default suite; 2 ranks (one stage, two replicas: the same all-reduce, no crossing) in the slow tier (four
+# replicas of one stage read a checkpoint in test_saving.py's default launches).
+@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow)])
 def test_replicas_equal_sequential(nprocs):
     launch = run_mpi(nprocs, "replicas.py", timeout=600)
     assert launch.returncode == 0, launch.output

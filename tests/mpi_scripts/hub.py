@@ -220,9 +220,15 @@ def bert(case, both_only=False, **pipeline_args):
 
 def chunked(case):
     """Two chunks a rank: the encoder under ZB-V (its run-time mask crosses every chunk, once from a rank to
-    itself) and BERT's two-output model under interleaved 1F1B."""
+    itself) and BERT's two-output model under interleaved 1F1B; and schedule="auto" taking ZB-V on a Llama, the
+    model cut again after the timing, the embedding's two chunks (fine_tuning.py's llama_lora_auto cuts a LoRA
+    Llama again so in the default suite)."""
     encoder(case, schedule="zb-v")
     bert(case, schedule="interleaved-1f1b", both_only=True)
+    if SIZE == 2:
+        with forced_pick("zb-v"):
+            model = llama(f"{case} llama auto", schedule="auto")
+        assert model.engine.picker.picked == "zb-v" and len(model.engine.chunks) == 2, model.engine.picker.describe()
 
 
 def adamw_lm(epsilon=1e-7):
@@ -266,10 +272,6 @@ def shared_chunks(case):
     runs = [(llama, "interleaved-1f1b"), (gpt2, "zb-v")] if SIZE <= 2 else [(llama, "zb-v"), (gpt2, "interleaved-1f1b")]
     for make, schedule in runs:
         make(f"{case} {make.__name__} {schedule}", schedule=schedule)
-    if SIZE == 2:  # schedule="auto" taking ZB-V: the model cut again after the timing, the embedding's two chunks
-        with forced_pick("zb-v"):
-            model = llama(f"{case} llama auto", schedule="auto")
-        assert model.engine.picker.picked == "zb-v" and len(model.engine.chunks) == 2, model.engine.picker.describe()
 
 
 def mixtral(case):
