@@ -29,12 +29,13 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
         place(pieces({0, 1}, {0}, {1}, {0}))
 
 
-# one launch on two ranks, one on four (seeded sampling, 3 groups on 4 stages)
+# one launch on two ranks; one on four in the slow tier (seeded sampling, 3 groups on 4 stages: the two-rank launch
+# samples seeded too, one group and two)
 @pytest.mark.parametrize(
     "nprocs, cases",
     [
         (2, ["families", "more_families", "refused", "sampling", "lora", "callback"]),
-        (4, ["sampling"]),
+        pytest.param(4, ["sampling"], marks=pytest.mark.slow),
     ],
     ids=lambda value: str(value) if isinstance(value, int) else "-".join(value),
 )

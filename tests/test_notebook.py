@@ -1,4 +1,4 @@
-"""The tutorial notebook runs from top to bottom, so it cannot go stale."""
+"""The tutorial notebook runs from top to bottom, so it cannot go stale (in the slow tier: `pytest --slow`)."""
 
 from pathlib import Path
 
@@ -7,6 +7,9 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
+# (the slow tier: its launches, train_digits.py on four ranks and timeline_demo.py on two, run in test_readme.py and
+# test_timeline.py; benchmarks/throughput.py --smoke, its last cell, only here)
+@pytest.mark.slow
 @pytest.mark.mpi  # (its cells launch mpirun)
 def test_tutorial_notebook_runs():
     nbformat = pytest.importorskip("nbformat")

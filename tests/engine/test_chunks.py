@@ -124,9 +124,10 @@ def test_each_chunks_last_weight_pass_updates_its_weights_and_one_counts_the_ste
     assert logs[0][-1] == logs[1][-1] == "W1" and updates == [2]
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+# (four ranks, two replicas of a two-rank pipeline with two chunks a rank: the slow tier; the default suite sums
+# replicas' gradients in test_network.py and test_features.py, and several chunks' on two ranks here)
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_schedules_equal_sequential_under_mpirun(nprocs):
-    # (four ranks: two replicas of a two-rank pipeline with two chunks a rank)
     cases = ["equivalence", "features", "saving", "errors"] if nprocs == 2 else ["replicas"]
     launch = run_mpi(nprocs, "chunks.py", *cases, timeout=900)
     launch.assert_cases("CHUNKS OK {} ", cases, nprocs)
