@@ -118,8 +118,14 @@ REGISTRY = {
     )
 }
 AUTO = "auto"  # (not a schedule: PipelineModel(schedule="auto") times the schedules and runs the fastest, :mod:`.auto`)
+# What a name outside the registry ("auto", until it picks) is asked as: one stage a rank, in a loop, unsplit
+_ONE_STAGE_A_RANK = ScheduleKind(AUTO, build=None)
 SCHEDULES = tuple(name for name, kind in REGISTRY.items() if not kind.chunked)
 CHUNKED_SCHEDULES = tuple(name for name, kind in REGISTRY.items() if kind.chunked)
+
+
+def _asked(name: str) -> ScheduleKind:
+    return REGISTRY.get(name, _ONE_STAGE_A_RANK)
 
 
 def kind_of(name: str) -> ScheduleKind:
@@ -164,29 +170,20 @@ def placement(name: str, num_stages: int, num_chunks: int = 1) -> list[list[int]
     ([[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]])
     """
     check_chunks(name, num_chunks)
-    kind = REGISTRY.get(name)  # (None: "auto", whose first placement is one stage a rank)
-    if kind is not None and kind.v_placement:
+    if _asked(name).v_placement:
         return virtual.v_placement(num_stages)
     return virtual.loop_placement(num_stages, num_chunks)
 
 
 def default_chunks(name: str) -> int:
     """The chunks a rank holds under schedule ``name`` unless told: two for a chunked schedule, else one."""
-    kind = REGISTRY.get(name)
-    return 2 if kind is not None and kind.chunked else 1
+    return 2 if _asked(name).chunked else 1
 
 
 def check_chunks(name: str, num_chunks) -> None:
     """Raises :class:`PipelineConfigError` unless schedule ``name`` runs ``num_chunks`` chunks a rank."""
     check_count("num_chunks", num_chunks, "one stage a rank")
-    kind = REGISTRY.get(name)
-    if kind is None:
-        if num_chunks != 1:  # ("auto": its candidates' chunks are its own)
-            raise PipelineConfigError(
-                f"schedule={name!r} runs one chunk a rank, not num_chunks={num_chunks}; several chunks a rank "
-                f"run under {' or '.join(map(repr, CHUNKED_SCHEDULES))}."
-            )
-        return
+    kind = _asked(name)  # ("auto": one chunk a rank; its candidates' chunks are their own)
     if kind.chunks == 2 and num_chunks != 2:
         raise PipelineConfigError(f"schedule={name!r} runs two chunks a rank (a V), not num_chunks={num_chunks}.")
     if kind.chunks is None and num_chunks < 2:
@@ -202,8 +199,7 @@ def check_chunks(name: str, num_chunks) -> None:
 
 def needs_whole_rounds(name: str) -> bool:
     """Whether schedule ``name`` needs ``num_microbatches`` a multiple of the stages (interleaved 1F1B's rounds)."""
-    kind = REGISTRY.get(name)
-    return kind is not None and kind.whole_rounds
+    return _asked(name).whole_rounds
 
 
 def hold_for(
@@ -248,5 +244,4 @@ def check_name(name, auto: bool = True) -> None:
 
 def needs_split_backward(name: str) -> bool:
     """Whether the schedule only exists with a split backward (I and W)."""
-    kind = REGISTRY.get(name)
-    return kind is not None and kind.splits_backward
+    return _asked(name).splits_backward

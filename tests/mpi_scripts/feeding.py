@@ -22,7 +22,7 @@ parser.add_argument("--stages", type=int, default=SIZE)
 STAGES = parser.parse_args().stages
 
 x, y, sw = data(n=160)
-vx, vy, _ = data(n=48, seed=1)
+vx, vy, vsw = data(n=48, seed=1)
 BATCH = 32
 produced = {"n": 0}  # samples this rank's data sources produced
 
@@ -196,7 +196,6 @@ def dict_data(xs, ys, weights, targets=True):
     return tf.data.Dataset.from_tensor_slices(parts).batch(BATCH).map(count_then_pass)
 
 
-_, _, vsw = data(n=48, seed=1)
 pipeline = PipelineModel(*dict_graph(), num_stages=STAGES, num_microbatches=2)
 pipeline.compile(**dict_compile())
 history = pipeline.fit(dict_data(x, y, sw), validation_data=dict_data(vx, vy, vsw), epochs=2, verbose=0).history
