@@ -17,6 +17,13 @@ beside the whole model's weights and the rank's own stage's: a rank that
 read the whole file would grow by the whole model, one that reads only its
 own stage (issue 46) by its share. One process opening the preset with plain
 keras_hub is the first row.
+
+Then each rank writes the model back with ``model.save_to_preset(...)`` (the
+route a fine-tuning script ends with), its peak reset just before
+(``/proc/self/clear_refs``): the second table is each rank's growth over the
+call, beside its share and the largest variable (issue 59: rank 0 writes
+what each stage sends, one layer at a time, so no rank should grow by more
+than about one layer).
 """
 
 from __future__ import annotations
@@ -35,6 +42,26 @@ GIB = 1024**3
 
 def peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def _status_gib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024 / GIB
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measured_save(write) -> tuple[float, float]:
+    """``write()``'s peak resident growth (GiB, the peak reset first: Linux's ``clear_refs``) and its seconds."""
+    import time
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_gib("VmRSS")
+    start = time.perf_counter()
+    write()
+    return _status_gib("VmHWM") - before, time.perf_counter() - start
 
 
 def make_llama(args):
@@ -69,6 +96,8 @@ def load(args) -> None:
         lm = keras_hub.models.LlamaCausalLM.from_preset(args.directory, preprocessor=None)
         held = int(sum(np.prod(v.shape) * 4 for v in lm.weights))
         print("ROW " + json.dumps({"rank": 0, "before": before, "after": peak_gib(), "held": held}), flush=True)
+        growth, seconds = measured_save(lambda: lm.save_to_preset(os.path.join(args.directory, "out-plain")))
+        print("SAVE " + json.dumps({"rank": 0, "growth": growth, "seconds": seconds, "held": held}), flush=True)
         return
     from mpi4py import MPI
 
@@ -78,10 +107,13 @@ def load(args) -> None:
     before = peak_gib()
     with keras_pipe.unallocated():
         lm = keras_hub.models.LlamaCausalLM.from_preset(args.directory, preprocessor=None)
-    keras_pipe.PipelineModel.from_model(lm, num_microbatches=2)
+    model = keras_pipe.PipelineModel.from_model(lm, num_microbatches=2)
     held = int(sum(np.prod(v.shape) * 4 for v in lm.weights if not keras_pipe.compat.unallocated(v)))
     rank = MPI.COMM_WORLD.Get_rank()
     print("ROW " + json.dumps({"rank": rank, "before": before, "after": peak_gib(), "held": held}), flush=True)
+    out = os.path.join(args.directory, f"out-{MPI.COMM_WORLD.Get_size()}")
+    growth, seconds = measured_save(lambda: model.save_to_preset(out))
+    print("SAVE " + json.dumps({"rank": rank, "growth": growth, "seconds": seconds, "held": held}), flush=True)
 
 
 def main() -> None:
@@ -113,6 +145,7 @@ def main() -> None:
         launches += [
             (f"pipeline, {p} ranks", [mpirun, "-n", str(p), python, *common, "--role", "load"]) for p in args.ranks
         ]
+        saves = []
         for name, command in launches:
             out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
             # (ranks' lines may run together on the launcher's output: each row is found on its own)
@@ -120,6 +153,7 @@ def main() -> None:
             if not rows:
                 print(f"{name}: failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
                 continue
+            saves += [(name, json.loads(found)) for found in re.findall(r"SAVE (\{[^{}]*\})", out.stdout)]
             for row in sorted(rows, key=lambda r: r["rank"]):
                 growth = row["after"] - row["before"]
                 held = row["held"] / GIB
@@ -128,6 +162,16 @@ def main() -> None:
                     f"{name:<24}{row['rank']:>7}{row['before']:>13.2f}{row['after']:>12.2f}{growth:>9.2f}"
                     f"{held:>11.2f}{ratio:>14.2f}"
                 )
+        largest = args.vocab * args.hidden * 4 / GIB
+        print(f"\nsave_to_preset after the load (the largest variable, the embedding: {largest:.2f} GiB)")
+        header = ("launch", "rank", "growth GiB", "held GiB", "growth/held", "seconds")
+        print("".join(f"{h:<24}" if k == 0 else f"{h:>{len(h) + 3}}" for k, h in enumerate(header)))
+        for name, row in sorted(
+            saves, key=lambda item: (launches.index(next(x for x in launches if x[0] == item[0])), item[1]["rank"])
+        ):
+            held = row["held"] / GIB
+            ratio = row["growth"] / held if held else float("nan")
+            print(f"{name:<24}{row['rank']:>7}{row['growth']:>13.2f}{held:>11.2f}{ratio:>14.2f}{row['seconds']:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 A pipeline made of a keras_hub task (``PipelineModel.from_model(causal_lm)``)
 answers what a fine-tuning script asks of the task after training:
-``save_to_preset`` (rank 0 writes the whole model's preset) and
+``save_to_preset`` (rank 0 writes the preset as each stage sends its layers) and
 ``save_lora_weights``/``load_lora_weights`` (keras_hub's own ``.lora.h5``
 file, gathered from every stage or read by each rank for its own); its
 ``generate`` is pipelined in :mod:`keras_pipe.model.generation`. Each
@@ -14,28 +14,32 @@ from __future__ import annotations
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError
+from keras_pipe.model import streaming
 from keras_pipe.model import weights as _weights
 from keras_pipe.model.transfer import on_root
 
 
-def save_to_preset(model, preset_dir) -> None:
-    """Rank 0 writes the preset of the whole model (collective); plain keras_hub ``from_preset`` opens it.
+def save_to_preset(model, preset_dir, max_shard_size=10) -> None:
+    """keras_hub's own ``save_to_preset`` of the task, run by rank 0 on its layers while each stage sends its layers'
+    values as the walk reaches them (collective): rank 0 holds its stage and one layer's values, not the whole model.
 
-    The preset holds the trained weights; inside :func:`keras_pipe.unallocated`
-    ``from_preset`` opens it on any number of ranks, each reading its own
-    stage's weights.
+    The preset is what keras_hub writes for the unsplit model (its config,
+    the tokenizer's assets, the trained weights, LoRA kernels merged as
+    keras_hub merges them); plain ``from_preset`` opens it, and inside
+    :func:`keras_pipe.unallocated` on any number of ranks, each reading its
+    own stage's weights.
     """
-    whole = model.to_keras()
-
-    def write():
-        if not hasattr(whole, "save_to_preset"):
-            raise PipelineConfigError(
-                f"save_to_preset() is a keras_hub task's or backbone's; this pipeline's model is a "
-                f"{type(whole).__name__}: use save()"
-            )
-        whole.save_to_preset(preset_dir)
-
-    on_root(model.engine.world, write, f"write the preset {preset_dir}")
+    whole = model._saver.walked()
+    if not hasattr(whole, "save_to_preset"):  # (every rank alike: its layers are every rank's)
+        raise PipelineConfigError(
+            f"save_to_preset() is a keras_hub task's or backbone's; this pipeline's model is a "
+            f"{type(whole).__name__}: use save()"
+        )
+    streaming.save_through(
+        model._saver,
+        lambda whole: whole.save_to_preset(preset_dir, max_shard_size=max_shard_size),
+        f"write the preset {preset_dir}",
+    )
 
 
 def lora_backbone(model):

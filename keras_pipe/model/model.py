@@ -556,9 +556,10 @@ class PipelineModel(keras.Model):
     # -- keras_hub's task methods (keras_pipe.model.hub) ---------------------------------------
 
     @collective
-    def save_to_preset(self, preset_dir) -> None:
-        """As a keras_hub task's ``save_to_preset``: rank 0 writes the whole model's preset, trained weights and all."""
-        hub.save_to_preset(self, preset_dir)
+    def save_to_preset(self, preset_dir, max_shard_size=10) -> None:
+        """As a keras_hub task's ``save_to_preset``: rank 0 writes the preset, trained weights and all, each stage
+        sending its layers' values as keras_hub's walk reaches them (no rank holds the whole model)."""
+        hub.save_to_preset(self, preset_dir, max_shard_size)
 
     @collective
     def save_lora_weights(self, filepath) -> None:

@@ -24,6 +24,7 @@ every rank. The file's bytes are what Keras writes for the unsplit model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -93,18 +94,49 @@ def layer_places(engine, whole) -> dict:
 def save(saver, write, what: str) -> None:
     """Rank 0 runs ``write(write_entries)``, which opens the file and calls ``write_entries(store, assets)``; the
     first replica's other ranks serve its requests for their entries (collective)."""
-    model, engine = saver.model, saver.engine
+    model = saver.model
     model.build()
-    world, comm = engine.world, engine.pipeline
     optimizer = model.optimizer if model.compiled else None
     if optimizer is not None and not optimizer.built:  # (Keras writes a compiled model's optimizer, built)
         optimizer.build(model.trainable_variables)
     with_state = optimizer is not None
+
+    def on_root(comm, whole, places):
+        def write_entries(store, assets=None):
+            with _fetching(comm, whole, places):
+                optimizer = getattr(whole, "optimizer", None)
+                compat.save_state(whole, store, skip=[optimizer] if optimizer is not None else [], assets=assets)
+            if with_state:
+                _write_optimizer(saver, comm, store, ordered(saver.engine))
+
+        write(write_entries)
+
+    _serve_root(saver, on_root, with_state, what)
+
+
+def save_through(saver, writer, what: str) -> None:
+    """Rank 0 runs ``writer(whole)``, a writer of one process's model (keras_hub's ``save_to_preset``), on the model
+    of its own layers (:meth:`ModelSaver.walked`), each other stage's layer's ``save_own_variables`` answered by
+    its stage as in :func:`save`: rank 0 holds its stage and one layer's values. No optimizer state (collective)."""
+    saver.model.build()
+
+    def on_root(comm, whole, places):
+        with _fetching(comm, whole, places):
+            writer(whole)
+
+    _serve_root(saver, on_root, False, what)
+
+
+def _serve_root(saver, on_root, with_state: bool, what: str) -> None:
+    """Rank 0 runs ``on_root(comm, whole, places)`` while the first replica's other ranks serve its requests; an
+    error on rank 0 (or in a stage's answer) is raised on every rank."""
+    engine = saver.engine
+    world, comm = engine.world, engine.pipeline
     error = None
     if engine.replica == 0:
         whole = saver.walked()
         if comm.rank == ROOT:
-            error = _root_save(saver, comm, whole, write, with_state)
+            error = _root_save(comm, whole, lambda places: on_root(comm, whole, places), engine)
         else:
             _Server(saver, comm, whole, with_state).serve_saving()
     error = world.bcast_json(error, root=engine.layout.rank_of(0, ROOT))
@@ -112,32 +144,10 @@ def save(saver, write, what: str) -> None:
         raise PipelineIOError(f"rank 0 could not {what}: {error}")
 
 
-def _root_save(saver, comm, whole, write, with_state: bool):
-    engine = saver.engine
+def _root_save(comm, whole, run, engine):
     error = None
     try:
-        places = layer_places(engine, whole)
-        entries = ordered(engine)
-
-        def write_entries(store, assets=None):
-            patched = []
-            for layer in compat.sublayers(whole):
-                if compat.own_variables(layer) and places[id(layer)][0] != ROOT:
-                    owner = places[id(layer)][0]
-                    object.__setattr__(
-                        layer, "save_own_variables", lambda store, owner=owner: _fetch_entry(comm, owner, store)
-                    )
-                    patched.append(layer)
-            try:
-                optimizer = getattr(whole, "optimizer", None)
-                compat.save_state(whole, store, skip=[optimizer] if optimizer is not None else [], assets=assets)
-            finally:
-                for layer in patched:
-                    layer.__dict__.pop("save_own_variables", None)
-            if with_state:
-                _write_optimizer(saver, comm, store, entries)
-
-        write(write_entries)
+        run(layer_places(engine, whole))
     except Exception as failure:  # noqa: BLE001 - every rank raises it
         error = failure.args[0] if isinstance(failure, PipelineIOError) else f"{type(failure).__name__}: {failure}"
     for rank in range(1, comm.size):
@@ -145,9 +155,33 @@ def _root_save(saver, comm, whole, write, with_state: bool):
     return error
 
 
-def _fetch_entry(comm, owner: int, store) -> None:
-    """Rank 0: the entry Keras' walk is at, asked of ``owner`` and written value by value as it comes."""
-    _send_json(comm, {"entry": compat.entry_path(store)}, owner)
+@contextlib.contextmanager
+def _fetching(comm, whole, places):
+    """Inside, each layer of ``whole`` that another stage answers for has its ``save_own_variables`` ask that stage
+    for the entry, named by its path in ``whole`` (not the store's: a writer may walk a part of the model, as
+    keras_hub's ``backbone.save_weights`` does)."""
+    paths = {id(layer): path for path, layer in compat.entry_paths(whole).items()}
+    patched = []
+    for layer in compat.sublayers(whole):
+        if compat.own_variables(layer) and places[id(layer)][0] != ROOT:
+            owner, path = places[id(layer)][0], paths.get(id(layer))
+            object.__setattr__(
+                layer,
+                "save_own_variables",
+                lambda store, owner=owner, path=path: _fetch_entry(comm, owner, store, path),
+            )
+            patched.append(layer)
+    try:
+        yield
+    finally:
+        for layer in patched:
+            layer.__dict__.pop("save_own_variables", None)
+
+
+def _fetch_entry(comm, owner: int, store, path: str | None) -> None:
+    """Rank 0: the entry at ``path`` (where Keras' walk is, by default), asked of ``owner`` and written value by value
+    as it comes."""
+    _send_json(comm, {"entry": path if path is not None else compat.entry_path(store)}, owner)
     failed = None
     while True:
         header = _recv_json(comm, owner)

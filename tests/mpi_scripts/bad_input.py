@@ -143,6 +143,11 @@ case(
     lambda: compiled(layers()),
     written_by(lambda model, path: tf.train.Checkpoint(model=model).save(path)),
 )
+case(
+    "save_to_preset of a chain",
+    lambda: compiled(layers()),
+    written_by(lambda model, path: model.save_to_preset(os.path.dirname(path))),
+)
 
 for method in ("train_step", "compute_loss", "predict_step"):
     case(f"{method} of the model given", lambda method=method: PipelineModel.from_model(overriding(method)))
