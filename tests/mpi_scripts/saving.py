@@ -3,12 +3,13 @@
 ``save`` (4 ranks): 2 epochs, ``model.save``, ``save_weights`` and ``export`` (twice: the second
 replaces the first's SavedModel directory), predictions to a file; two sharded checkpoints
 (``.weights.json``: one shard a stage, and a shard a variable).
-``resume`` (2 ranks): ``keras_pipe.load_model`` + 1 epoch equals 3 uninterrupted
-epochs of Sequential; ``load_weights`` restores the saved weights. The sharded checkpoints of
-4 stages load into 2 ranks of interleaved 1F1B (4 virtual stages): the same weights, and the
-next epoch equals the uninterrupted run's (the optimizer state came too); it saves a sharded
-checkpoint of its own.
-``replicas`` (4 ranks, 2 stages x 2 replicas): that checkpoint of 2 ranks loads into each
+``resume`` (3 ranks: no stage boundary where the 4 stages had theirs): ``keras_pipe.load_model``
++ 1 epoch equals 3 uninterrupted epochs of Sequential; ``load_weights`` restores the saved
+weights. The sharded checkpoints of 4 stages load into 3 stages under 1F1B and into 3 ranks of
+interleaved 1F1B (6 virtual stages): the same weights, and the next epoch equals the
+uninterrupted run's (the optimizer state came too); it saves a sharded checkpoint of its own.
+(4 stages to 2: ``graph_saving.py``.)
+``replicas`` (4 ranks, 2 stages x 2 replicas): that checkpoint of 3 ranks loads into each
 replica, and the next epoch equals 4 uninterrupted epochs; 4 replicas of one stage read it too.
 """
 
@@ -57,7 +58,7 @@ elif mode == "replicas":
     model.load_weights(f"{tmp}/resharded.weights.json")
     _, sequential = reference(3)
     for a, b in zip(model.get_weights(), sequential.get_weights()):
-        assert_close(a, b, "a checkpoint of 2 ranks, read by 2 replicas of 2 stages")
+        assert_close(a, b, "a checkpoint of 3 ranks, read by 2 replicas of 2 stages")
     model.fit(x, y, sample_weight=sw, batch_size=32, epochs=1, shuffle=False, verbose=0)
     _, sequential = reference(4)
     for a, b in zip(model.get_weights(), sequential.get_weights()):
@@ -67,7 +68,7 @@ elif mode == "replicas":
     single.load_weights(f"{tmp}/resharded.weights.json")
     _, sequential = reference(3)
     for a, b in zip(single.get_weights(), sequential.get_weights()):
-        assert_close(a, b, "a checkpoint of 2 ranks, read by 4 replicas of one stage")
+        assert_close(a, b, "a checkpoint of 3 ranks, read by 4 replicas of one stage")
     print(f"REPLICAS RESUMED rank {RANK}", flush=True)
 else:
     model = keras_pipe.load_model(f"{tmp}/model.keras", num_microbatches=4)
@@ -80,8 +81,9 @@ else:
     model.load_weights(f"{tmp}/model.weights.h5")
     for a, b in zip(model.get_weights(), saved):
         assert_close(a, b, "load_weights")
-    for name in ("sharded", "small"):  # four stages' checkpoint, read by four virtual stages on two ranks
-        chunked = PipelineModel(layers(), num_microbatches=4, schedule="interleaved-1f1b")
+    # four stages' checkpoint, read by three stages and by six virtual stages on three ranks
+    for name, schedule, m in (("sharded", "1f1b", 4), ("small", "interleaved-1f1b", 6)):
+        chunked = PipelineModel(layers(), num_microbatches=m, schedule=schedule)
         chunked.compile(**compile_args())
         chunked.load_weights(f"{tmp}/{name}.weights.json")
         for a, b in zip(chunked.get_weights(), saved):
