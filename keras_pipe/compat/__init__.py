@@ -42,10 +42,12 @@ from keras_pipe.compat.layers import (
     weight_regularization_losses,
 )
 from keras_pipe.compat.saving import (
+    as_array,
     built_on,
     create_h5_group,
     entry_path,
     entry_paths,
+    handed_over,
     keras_pickle_bytes,
     keras_unpickle,
     load_state,
@@ -55,8 +57,10 @@ from keras_pipe.compat.saving import (
     optimizer_layout,
     own_variables,
     read_keras_config,
+    read_value,
     readable_weights,
     save_state,
+    saved_own_variables,
     sharded_reader,
     weights_file_writer,
     weights_reader,
@@ -64,7 +68,15 @@ from keras_pipe.compat.saving import (
     write_keras_archive,
     write_lora_file,
 )
-from keras_pipe.compat.tensors import call_concrete, executing_eagerly, get_mask, global_seed, set_mask, variable_handle
+from keras_pipe.compat.tensors import (
+    borrowed_tensor,
+    call_concrete,
+    executing_eagerly,
+    get_mask,
+    global_seed,
+    set_mask,
+    variable_handle,
+)
 from keras_pipe.compat.training import (
     BACKUP_ATTRIBUTES,
     DataAdapter,
@@ -132,6 +144,8 @@ __all__ = [
     "DEFERRED_LOADS",
     "allocate_with",
     "allocating_scope",
+    "as_array",
+    "borrowed_tensor",
     "built_on",
     "apply_mask",
     "backup_paths",
@@ -145,6 +159,7 @@ __all__ = [
     "compiled_metrics",
     "entry_path",
     "entry_paths",
+    "handed_over",
     "executing_eagerly",
     "execution_order",
     "file_utils",
@@ -173,7 +188,9 @@ __all__ = [
     "release_variable",
     "replace_backup_io",
     "restore_initializer",
+    "read_value",
     "save_state",
+    "saved_own_variables",
     "scale_loss_for_distribution",
     "seed_generators",
     "sequential_functional",

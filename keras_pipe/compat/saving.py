@@ -6,6 +6,8 @@ import contextlib
 
 from keras.src.saving import saving_lib
 
+from keras_pipe.compat.tensors import read_into
+
 
 def keras_pickle_bytes(model) -> bytes:
     """What Keras' own ``pickle.dumps(model)`` holds: the model as ``.keras`` bytes (``KerasSaveable.__reduce__``).
@@ -231,6 +233,88 @@ def weights_reader(filepath: str):
         store.close()
         if archive is not None:
             archive.close()
+
+
+def as_array(value):
+    """``value`` (a variable, a tensor, an array) as a NumPy array, copied at most once (an array is not copied).
+
+    Why: Keras' ``convert_to_numpy`` (TensorFlow backend, Keras 3.0-3.15)
+    reads a variable into a tensor and copies that with ``np.array``: two
+    copies of the value alive at once, which for the largest variable (a
+    language model's embedding) is the largest part of a save's memory.
+    """
+    import numpy as np
+
+    return value if isinstance(value, np.ndarray) else np.asarray(value)
+
+
+class _HandedOver:
+    """An array that ``np.array`` (NumPy 2: ``__array__(copy=True)``) takes as the copy it asked for."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array if dtype is None else self.array.astype(dtype, copy=False)
+
+
+def handed_over(value):
+    """``value`` as Keras' weights stores take it without a copy of their own (:func:`as_array` first).
+
+    Why: ``H5IOStore.__setitem__`` and ``ShardedH5IOStore.__setitem__``
+    (Keras 3.0-3.15) convert every value with ``backend.convert_to_numpy``,
+    which copies even an array (``np.array``), though HDF5 writes from the
+    array's own buffer. With NumPy before 2 the store still copies, as it
+    always did.
+    """
+    return _HandedOver(as_array(value))
+
+
+class _HandingOver:
+    """The store a layer's ``save_own_variables`` writes to, each value :func:`handed_over` to ``store``."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __setitem__(self, key, value):
+        self.store[key] = handed_over(value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def saved_own_variables(layer, store) -> None:
+    """``layer``'s own ``save_own_variables`` (its class's, whatever is set on the object) into ``store``, each value
+    handed over without Keras' second copy (:func:`handed_over`)."""
+    type(layer).save_own_variables(layer, _HandingOver(store))
+
+
+def safe_dataset(group, key: str):
+    """The HDF5 dataset ``key`` of an entry's group, through Keras' own checks of it where Keras has them
+    (``saving_lib.safe_get_h5_dataset``: no external or virtual data, no declared size far beyond the stored one,
+    Keras 3.13-3.15); ``group[key]`` before."""
+    check = getattr(saving_lib, "safe_get_h5_dataset", None)
+    return check(group, key) if check is not None else group[key]
+
+
+def read_value(store, key: str, allocate):
+    """One value of the entry a Keras weights store is at, read from the file into ``allocate(shape, dtype)``'s
+    array (one whose buffer TensorFlow can borrow: :func:`keras_pipe.compat.borrowed_tensor`); ``store[key]`` where
+    the store is not a plain ``H5IOStore`` or the value not a plain array (bfloat16, a scalar).
+
+    Why: ``H5IOStore.__getitem__`` (Keras 3.0-3.15) reads with ``np.array``
+    into NumPy's own buffer, which TensorFlow must copy again to assign it;
+    the HDF5 dataset behind it (``_h5_entry_group[key]``, checked as Keras
+    checks it: :func:`safe_dataset`) reads into a buffer of the caller's.
+    """
+    import numpy as np
+
+    if type(store) is not saving_lib.H5IOStore or not hasattr(store._h5_entry_group, "get"):
+        return np.asarray(store[key])
+    value = read_into(safe_dataset(store._h5_entry_group, key), allocate)
+    return np.asarray(store[key]) if value is None else value
 
 
 def weights_file_writer(filepath: str):

@@ -53,3 +53,44 @@ def set_mask(tensor, mask) -> None:
     from keras.src.backend import set_keras_mask
 
     set_keras_mask(tensor, mask)
+
+
+def borrowed_tensor(array):
+    """A tensor over ``array``'s own buffer (DLPack), for a variable's ``assign``; ``array`` itself where it cannot
+    be (a buffer not on a 64-byte boundary, as NumPy's own are not: TensorFlow's kernels check it; a read-only or
+    non-contiguous array; a dtype DLPack lacks, as bfloat16 in NumPy).
+
+    Why: ``Variable.assign`` of a NumPy array converts it to a tensor (a copy)
+    and the assignment may place that in a new buffer (another): loading a
+    value read from a file or received from rank 0 held it three times at
+    once, which for the largest variable (a language model's embedding) is
+    most of a load's memory beyond the stage itself. A tensor over the
+    array's buffer is assigned without either copy.
+    """
+    import numpy as np
+
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or not array.flags.writeable:
+        return array
+    if array.size == 0 or array.ctypes.data % 64:  # (an assigned variable may keep the buffer as its own)
+        return array
+    try:
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    except (BufferError, TypeError, ValueError, tf.errors.InvalidArgumentError):
+        return array
+
+
+def read_into(dataset, allocate):
+    """An HDF5 dataset's value read straight into ``allocate(shape, dtype)``'s array, or ``None`` where it is not a
+    plain array (a scalar, an empty one, Keras' bfloat16 stored as its bits with a ``dtype`` attribute).
+
+    Why: read with ``np.array`` (as Keras' stores read) the value lands in
+    NumPy's own buffer, which TensorFlow cannot borrow
+    (:func:`borrowed_tensor`): assigning it copies it again.
+    """
+    if not hasattr(dataset, "read_direct") or not dataset.shape or dataset.size == 0:
+        return None
+    if dataset.attrs.get("dtype") == "bfloat16":
+        return None
+    out = allocate(dataset.shape, dataset.dtype)
+    dataset.read_direct(out)
+    return out

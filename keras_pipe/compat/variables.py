@@ -17,6 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe.compat.saving import safe_dataset
+from keras_pipe.compat.tensors import borrowed_tensor, read_into
+
 
 def unallocated(variable) -> bool:
     """Whether a Keras variable has a shape but no value (created in an unallocated scope, or released)."""
@@ -223,9 +226,12 @@ class _Stored:
 
 
 @contextlib.contextmanager
-def held_only_loading():
+def held_only_loading(allocate=None):
     """While Keras loads a weights file: only the variables this rank holds are read and assigned
     (``saving_lib.H5IOStore.__getitem__``, its sharded subclass's, and ``KerasVariable.assign``, Keras 3.12-3.15).
+    ``allocate(shape, dtype)``: an array whose buffer TensorFlow can borrow, for each value read, which is then
+    assigned without a copy (:func:`~keras_pipe.compat.tensors.read_into`,
+    :func:`~keras_pipe.compat.tensors.borrowed_tensor`); ``None``: read and assigned as Keras does.
 
     Why: every rank walks the whole model as Keras does (the file's layout
     is the model's), but a variable of another stage has no memory here and
@@ -247,6 +253,11 @@ def held_only_loading():
     def lazy_of(read):
         def lazy(store, key):
             if reading:
+                if allocate is not None and read is reads.get(saving_lib.H5IOStore):  # (the base read: the file's)
+                    group = store._h5_entry_group
+                    value = read_into(safe_dataset(group, key), allocate) if hasattr(group, "get") else None
+                    if value is not None:
+                        return value
                 return read(store, key)
             group = store._h5_entry_group  # (the store is one object moved from entry to entry)
 
@@ -272,7 +283,7 @@ def held_only_loading():
         if unallocated(variable):
             return variable  # (another stage's: its value stays in the file)
         if isinstance(value, _Stored):
-            value = value.read()
+            value = borrowed_tensor(value.read())
         return assign(variable, value)
 
     for store, read in reads.items():

@@ -329,7 +329,7 @@ class ModelSaver:
 
     def check_whole_fits(self, what: str, available: int | None = None) -> None:
         """Refuses, alike on every rank and before anything moves, a route that builds the whole model on rank 0
-        (``to_keras``, ``export``, pickling, ``save_to_preset``) where rank 0's host has not the memory for it
+        (``to_keras``, ``export``, pickling) where rank 0's host has not the memory for it
         (collective).
 
         The need: the whole model's weights and optimizer state twice over

@@ -305,15 +305,13 @@ class _ShardWriter(compat.weights_store_class()):
         return self
 
     def __setitem__(self, key, value):
-        import keras
-
-        value = keras.ops.convert_to_numpy(value)
+        value = compat.as_array(value)  # (one copy of a variable, as Keras' store would make two)
         size = value.nbytes
         if self.h5_file is None or (self.in_file and self.in_file + size > self.limit):
             self._next_file()
         if not self._h5_entry_initialized:
             compat.create_h5_group(self, self.entry_path, self.entry_metadata)
-        super().__setitem__(key, value)
+        super().__setitem__(key, compat.handed_over(value))
         self.in_file += size
         self.total += size
         names = self.weight_map.setdefault(self._h5_entry_group.name, [])

@@ -36,7 +36,7 @@ from keras_pipe.errors import PipelineIOError
 from keras_pipe.model import sharded
 from keras_pipe.model.transfer import ROOT, numpy_dtype
 from keras_pipe.model.weights import copy_from_first_replica, ordered
-from keras_pipe.mpi.comm import TAG_STATE
+from keras_pipe.mpi.comm import TAG_STATE, aligned_empty
 from keras_pipe.mpi.files import describe_unreadable
 
 # -- messages: a JSON header, an array as its bytes ---------------------------------------------
@@ -52,9 +52,7 @@ def _recv_json(comm, source: int):
 
 
 def _send_array(comm, value, dest: int, **header) -> None:
-    import keras
-
-    array = np.asarray(keras.ops.convert_to_numpy(value))
+    array = compat.as_array(value)  # (one copy of a variable at most)
     _send_json(comm, dict(header, shape=list(array.shape), dtype=array.dtype.name), dest)
     _send_bytes(comm, array, dest)
 
@@ -163,14 +161,15 @@ def _fetching(comm, whole, places):
     paths = {id(layer): path for path, layer in compat.entry_paths(whole).items()}
     patched = []
     for layer in compat.sublayers(whole):
-        if compat.own_variables(layer) and places[id(layer)][0] != ROOT:
-            owner, path = places[id(layer)][0], paths.get(id(layer))
-            object.__setattr__(
-                layer,
-                "save_own_variables",
-                lambda store, owner=owner, path=path: _fetch_entry(comm, owner, store, path),
-            )
-            patched.append(layer)
+        if not compat.own_variables(layer):
+            continue
+        owner, path = places[id(layer)][0], paths.get(id(layer))
+        if owner == ROOT:  # (its own values, handed to the store without Keras' second copy)
+            fetch = lambda store, layer=layer: compat.saved_own_variables(layer, store)  # noqa: E731
+        else:
+            fetch = lambda store, owner=owner, path=path: _fetch_entry(comm, owner, store, path)  # noqa: E731
+        object.__setattr__(layer, "save_own_variables", fetch)
+        patched.append(layer)
     try:
         yield
     finally:
@@ -192,9 +191,10 @@ def _fetch_entry(comm, owner: int, store, path: str | None) -> None:
         value = _recv_array(comm, owner, header)
         if failed is None:
             try:
-                store[header["key"]] = value
+                store[header["key"]] = compat.handed_over(value)  # (written from the buffer it came in)
             except Exception as failure:  # noqa: BLE001 - the entry's other values are still taken from the owner
                 failed = failure
+        del value  # (one value at a time: not kept while the next comes)
     if failed is not None:
         raise failed
 
@@ -209,13 +209,13 @@ def _write_optimizer(saver, comm, store, entries) -> None:
     for key, p in sorted(positions.items(), key=lambda item: item[1]):
         owner = ROOT if key[0] == "own" else owners[key[0]]
         if owner == engine.stage:
-            store[str(p)] = mine[p]
+            store[str(p)] = compat.handed_over(mine[p])
         else:
             _send_json(comm, {"position": p}, owner)
             header = _recv_json(comm, owner)
             if "error" in header:
                 raise PipelineIOError(f"rank {comm.world_rank_of(owner)}: {header['error']}")
-            store[str(p)] = _recv_array(comm, owner, header)
+            store[str(p)] = compat.handed_over(_recv_array(comm, owner, header))
 
 
 class _Sender:
@@ -272,6 +272,7 @@ class _Server:
                 return problem
             if "entry" in header:
                 values = {key: _recv_array(comm, ROOT, h) for key, h in zip(header["keys"], header["arrays"])}
+                values = {key: compat.borrowed_tensor(value) for key, value in values.items()}  # (assigned uncopied)
                 if problem is None:
                     try:
                         layer = self.by_path.get(header["entry"])
@@ -287,7 +288,7 @@ class _Server:
                 value = _recv_array(comm, ROOT, header)
                 if problem is None:
                     try:
-                        self.by_position[header["position"]].assign(value)
+                        self.by_position[header["position"]].assign(compat.borrowed_tensor(value))
                     except Exception as failure:  # noqa: BLE001 - agreed once rank 0 is done
                         problem = f"{type(failure).__name__}: {failure}"
 
@@ -361,18 +362,17 @@ def _root_read(saver, comm, whole, filepath: str, skip_mismatch: bool, wanted) -
     places = layer_places(engine, whole)
     patched = []
     for layer in compat.sublayers(whole):
-        if compat.own_variables(layer):
+        if compat.own_variables(layer):  # (rank 0's own too: read once, assigned without Keras' copies)
             _, holders = places[id(layer)]
-            if holders != {ROOT}:
-                own = type(layer).load_own_variables
-                object.__setattr__(
-                    layer,
-                    "load_own_variables",
-                    lambda store, layer=layer, holders=holders, own=own: _push_entry(
-                        comm, store, holders, lambda values: own(layer, values)
-                    ),
-                )
-                patched.append(layer)
+            own = type(layer).load_own_variables
+            object.__setattr__(
+                layer,
+                "load_own_variables",
+                lambda store, layer=layer, holders=holders, own=own: _push_entry(
+                    comm, store, holders, lambda values: own(layer, values)
+                ),
+            )
+            patched.append(layer)
     try:
         optimizer = getattr(whole, "optimizer", None)
         compat.load_state(whole, filepath, skip_mismatch, [optimizer] if optimizer is not None else [])
@@ -386,7 +386,7 @@ def _root_read(saver, comm, whole, filepath: str, skip_mismatch: bool, wanted) -
 def _push_entry(comm, store, holders: set, load_here) -> None:
     """Rank 0: the entry Keras' walk is at, read whole (one layer's values), sent to its other holders, loaded here
     if rank 0 holds it."""
-    values = {key: np.asarray(store[key]) for key in store.keys()}
+    values = {key: compat.read_value(store, key, aligned_empty) for key in store.keys()}
     path = compat.entry_path(store)
     for rank in sorted(holders - {ROOT}):
         arrays = [{"shape": list(v.shape), "dtype": v.dtype.name} for v in values.values()]
@@ -394,7 +394,7 @@ def _push_entry(comm, store, holders: set, load_here) -> None:
         for value in values.values():
             _send_bytes(comm, value, rank)
     if ROOT in holders:
-        load_here(values)
+        load_here({key: compat.borrowed_tensor(value) for key, value in values.items()})
 
 
 def _push_optimizer(saver, comm, filepath: str, wanted: _Wanted) -> None:
@@ -415,9 +415,9 @@ def _push_optimizer(saver, comm, filepath: str, wanted: _Wanted) -> None:
             )
             return
         for p in range(count):
-            value = np.asarray(reader[str(p)])
+            value = compat.read_value(reader, str(p), aligned_empty)
             for rank, positions in enumerate(wanted.by_rank):
                 if rank != ROOT and p in positions:
                     _send_array(comm, value, rank, position=p)
             if p in mine:
-                mine[p].assign(value)
+                mine[p].assign(compat.borrowed_tensor(value))

@@ -15,7 +15,7 @@ import numpy as np
 
 from keras_pipe import compat
 from keras_pipe.errors import PipelineConfigError, PipelineIOError
-from keras_pipe.mpi.comm import TAG_STATE
+from keras_pipe.mpi.comm import TAG_STATE, aligned_empty
 
 
 def ordered(engine) -> list[tuple]:
@@ -177,7 +177,7 @@ def read_held(engine, load, what: str) -> set[int]:
     """
     problem, visited = None, set()
     try:
-        with compat.held_only_loading() as visited:
+        with compat.held_only_loading(aligned_empty) as visited:  # (each value assigned without a copy)
             load()
     except Exception as error:  # noqa: BLE001 - every rank raises the first rank's error
         problem = f"rank {engine.world.rank}: {type(error).__name__}: {error}"
