@@ -69,6 +69,8 @@ from keras_pipe.compat.saving import (
     write_lora_file,
 )
 from keras_pipe.compat.tensors import (
+    assign_in_place,
+    assigning_in_place,
     borrowed_tensor,
     call_concrete,
     executing_eagerly,
@@ -145,6 +147,8 @@ __all__ = [
     "allocate_with",
     "allocating_scope",
     "as_array",
+    "assign_in_place",
+    "assigning_in_place",
     "borrowed_tensor",
     "built_on",
     "apply_mask",

@@ -6,7 +6,7 @@ import contextlib
 
 from keras.src.saving import saving_lib
 
-from keras_pipe.compat.tensors import read_into
+from keras_pipe.compat.tensors import read_into, variable_handle
 
 
 def keras_pickle_bytes(model) -> bytes:
@@ -236,7 +236,9 @@ def weights_reader(filepath: str):
 
 
 def as_array(value):
-    """``value`` (a variable, a tensor, an array) as a NumPy array, copied at most once (an array is not copied).
+    """``value`` (a variable, a tensor, an array) as a NumPy array: an array as it is, a variable's or tensor's
+    buffer without a copy where DLPack can give it (a variable an embedding lookup has read is copied once, as
+    TensorFlow reads it), one copy otherwise.
 
     Why: Keras' ``convert_to_numpy`` (TensorFlow backend, Keras 3.0-3.15)
     reads a variable into a tensor and copies that with ``np.array``: two
@@ -244,8 +246,18 @@ def as_array(value):
     language model's embedding) is the largest part of a save's memory.
     """
     import numpy as np
+    import tensorflow as tf
 
-    return value if isinstance(value, np.ndarray) else np.asarray(value)
+    if isinstance(value, np.ndarray):
+        return value
+    handle = variable_handle(value)
+    tensor = handle.read_value() if isinstance(handle, tf.Variable) else handle
+    if isinstance(tensor, tf.Tensor) and tf.executing_eagerly():
+        try:
+            return np.from_dlpack(tensor)  # (bfloat16 and a few other dtypes have no DLPack form in NumPy)
+        except (BufferError, TypeError, ValueError, RuntimeError):
+            pass
+    return np.asarray(value)
 
 
 class _HandedOver:

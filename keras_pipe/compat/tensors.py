@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -56,16 +58,13 @@ def set_mask(tensor, mask) -> None:
 
 
 def borrowed_tensor(array):
-    """A tensor over ``array``'s own buffer (DLPack), for a variable's ``assign``; ``array`` itself where it cannot
-    be (a buffer not on a 64-byte boundary, as NumPy's own are not: TensorFlow's kernels check it; a read-only or
-    non-contiguous array; a dtype DLPack lacks, as bfloat16 in NumPy).
+    """A tensor over ``array``'s own buffer (DLPack); ``array`` itself where it cannot be (a buffer not on a 64-byte
+    boundary, as NumPy's own are not: TensorFlow's kernels check it; a read-only or non-contiguous array; a dtype
+    DLPack lacks, as bfloat16 in NumPy).
 
-    Why: ``Variable.assign`` of a NumPy array converts it to a tensor (a copy)
-    and the assignment may place that in a new buffer (another): loading a
-    value read from a file or received from rank 0 held it three times at
-    once, which for the largest variable (a language model's embedding) is
-    most of a load's memory beyond the stage itself. A tensor over the
-    array's buffer is assigned without either copy.
+    Why: converting an array to a tensor copies it; :func:`assign_in_place`
+    copies a value read from a file or received from rank 0 straight into
+    the variable's buffer.
     """
     import numpy as np
 
@@ -94,3 +93,51 @@ def read_into(dataset, allocate):
     out = allocate(dataset.shape, dataset.dtype)
     dataset.read_direct(out)
     return out
+
+
+def assign_in_place(variable, value) -> bool:
+    """Copies ``value`` (a NumPy array of the variable's shape and dtype) into ``variable``'s own buffer, a strided
+    assignment over all of it; ``False`` (nothing done) where it cannot, for the caller to assign as Keras does
+    (another shape, whose error is Keras'; another dtype; a variable that is not TensorFlow's; outside eager mode).
+
+    Why: ``Variable.assign`` (Keras 3, TensorFlow backend) converts the array
+    to a tensor and the variable takes that tensor's buffer as its own,
+    leaving its old one to TensorFlow's allocator, where a later value may
+    or may not reuse it: loading a stage's values one by one grew a rank by
+    up to its share again (``benchmarks/saving_memory.py``). Assigned in
+    place, a value costs one buffer while it is read, none after.
+    """
+    import numpy as np
+
+    handle = variable_handle(variable)
+    if not isinstance(value, np.ndarray) or not isinstance(handle, tf.Variable) or not tf.executing_eagerly():
+        return False
+    if tuple(handle.shape) != value.shape or handle.dtype.as_numpy_dtype != value.dtype or value.ndim == 0:
+        return False
+    handle[...].assign(borrowed_tensor(value))
+    return True
+
+
+@contextlib.contextmanager
+def assigning_in_place():
+    """Inside, ``Variable.assign`` of a NumPy array of the variable's shape and dtype copies it into the variable's
+    buffer (:func:`assign_in_place`); any other value as Keras assigns it (``KerasVariable.assign``, Keras 3.0-3.15).
+
+    Why: a layer's ``load_own_variables`` assigns each value it is given;
+    loading a whole stage so, value by value, is where the copies of
+    :func:`assign_in_place` added up.
+    """
+    from keras.src.backend.common.variables import Variable
+
+    original = Variable.assign
+
+    def assign(variable, value):
+        if assign_in_place(variable, value):
+            return value
+        return original(variable, value)
+
+    Variable.assign = assign
+    try:
+        yield
+    finally:
+        Variable.assign = original

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe.compat.saving import safe_dataset
-from keras_pipe.compat.tensors import borrowed_tensor, read_into
+from keras_pipe.compat.tensors import assign_in_place, read_into
 
 
 def unallocated(variable) -> bool:
@@ -230,8 +230,8 @@ def held_only_loading(allocate=None):
     """While Keras loads a weights file: only the variables this rank holds are read and assigned
     (``saving_lib.H5IOStore.__getitem__``, its sharded subclass's, and ``KerasVariable.assign``, Keras 3.12-3.15).
     ``allocate(shape, dtype)``: an array whose buffer TensorFlow can borrow, for each value read, which is then
-    assigned without a copy (:func:`~keras_pipe.compat.tensors.read_into`,
-    :func:`~keras_pipe.compat.tensors.borrowed_tensor`); ``None``: read and assigned as Keras does.
+    copied into the variable's own buffer (:func:`~keras_pipe.compat.tensors.read_into`,
+    :func:`~keras_pipe.compat.tensors.assign_in_place`); ``None``: read and assigned as Keras does.
 
     Why: every rank walks the whole model as Keras does (the file's layout
     is the model's), but a variable of another stage has no memory here and
@@ -283,7 +283,9 @@ def held_only_loading(allocate=None):
         if unallocated(variable):
             return variable  # (another stage's: its value stays in the file)
         if isinstance(value, _Stored):
-            value = borrowed_tensor(value.read())
+            value = value.read()
+            if allocate is not None and assign_in_place(variable, value):
+                return value
         return assign(variable, value)
 
     for store, read in reads.items():

@@ -272,7 +272,6 @@ class _Server:
                 return problem
             if "entry" in header:
                 values = {key: _recv_array(comm, ROOT, h) for key, h in zip(header["keys"], header["arrays"])}
-                values = {key: compat.borrowed_tensor(value) for key, value in values.items()}  # (assigned uncopied)
                 if problem is None:
                     try:
                         layer = self.by_path.get(header["entry"])
@@ -288,7 +287,7 @@ class _Server:
                 value = _recv_array(comm, ROOT, header)
                 if problem is None:
                     try:
-                        self.by_position[header["position"]].assign(compat.borrowed_tensor(value))
+                        self.by_position[header["position"]].assign(value)
                     except Exception as failure:  # noqa: BLE001 - agreed once rank 0 is done
                         problem = f"{type(failure).__name__}: {failure}"
 
@@ -309,13 +308,14 @@ def load(saver, filepath, skip_mismatch: bool = False) -> None:
     if engine.replica == 0:
         whole = saver.walked()
         wanted, problem = _wanted_positions(saver, comm) if optimizer is not None else (None, None)
-        if problem is None and comm.rank == ROOT:
-            problem = _root_load(saver, comm, whole, os.fspath(filepath), skip_mismatch, wanted)
-        elif problem is None:
-            mine = wanted.mine if wanted is not None else None
-            server = _Server(saver, comm, whole, optimizer is not None, skip_mismatch, by_position=mine)
-            problem = server.serve_loading()
-            problem = None if problem is None else f"rank {world.rank}: {problem}"
+        with compat.assigning_in_place():  # (each value copied into its variable's buffer: no second buffer)
+            if problem is None and comm.rank == ROOT:
+                problem = _root_load(saver, comm, whole, os.fspath(filepath), skip_mismatch, wanted)
+            elif problem is None:
+                mine = wanted.mine if wanted is not None else None
+                server = _Server(saver, comm, whole, optimizer is not None, skip_mismatch, by_position=mine)
+                problem = server.serve_loading()
+                problem = None if problem is None else f"rank {world.rank}: {problem}"
     problems = [p for p in world.allgather_json(problem) if p]
     if problems:
         raise PipelineIOError(f"loading {filepath} failed: {problems[0]}")
@@ -394,7 +394,7 @@ def _push_entry(comm, store, holders: set, load_here) -> None:
         for value in values.values():
             _send_bytes(comm, value, rank)
     if ROOT in holders:
-        load_here({key: compat.borrowed_tensor(value) for key, value in values.items()})
+        load_here(values)
 
 
 def _push_optimizer(saver, comm, filepath: str, wanted: _Wanted) -> None:
@@ -420,4 +420,4 @@ def _push_optimizer(saver, comm, filepath: str, wanted: _Wanted) -> None:
                 if rank != ROOT and p in positions:
                     _send_array(comm, value, rank, position=p)
             if p in mine:
-                mine[p].assign(compat.borrowed_tensor(value))
+                mine[p].assign(value)
