@@ -30,12 +30,12 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
 
 
 # one launch on two ranks; one on four in the slow tier (seeded sampling, 3 groups on 4 stages: the two-rank launch
-# samples seeded too, one group and two)
+# samples seeded too, one group and two; two replicas of two stages: the two-rank launch runs two of one stage)
 @pytest.mark.parametrize(
     "nprocs, cases",
     [
-        (2, ["families", "more_families", "refused", "sampling", "lora", "callback"]),
-        pytest.param(4, ["sampling"], marks=pytest.mark.slow),
+        (2, ["families", "more_families", "refused", "sampling", "lora", "callback", "dataset", "int8", "replicas"]),
+        pytest.param(4, ["sampling", "replicas"], marks=pytest.mark.slow),
     ],
     ids=lambda value: str(value) if isinstance(value, int) else "-".join(value),
 )

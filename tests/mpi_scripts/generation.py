@@ -18,7 +18,11 @@ enabled, its LoRA kernels non-zero. ``callback``: ``generate()`` from a
 callback's ``on_epoch_end`` during ``fit``, against the unsplit model given
 the pipeline's trained weights. ``refused``: a family not checked, a
 placement that goes back to an earlier rank (ZB-V) and a beam sampler, each
-refused on every rank.
+refused on every rank. ``dataset``: prompts given as a batched ``tf.data.Dataset``
+(keras_hub generates batch by batch and joins the outputs). ``int8``: a Llama
+backbone quantized to int8 (``backbone.quantize("int8")``) before the pipeline is
+made. ``replicas``: ``num_stages`` half the ranks (two replicas: on two ranks, one
+stage each), every replica generating, every rank returning the unsplit model's tokens.
 """
 
 import sys
@@ -26,6 +30,7 @@ import sys
 import keras
 import keras_hub
 import numpy as np
+import tensorflow as tf
 from common import RANK, SIZE
 
 from keras_pipe import PipelineModel
@@ -73,7 +78,7 @@ def family(name):
 gpt2, llama, mistral, gemma, qwen, phi3, opt = (family(name) for name in FAMILIES)
 
 
-def pair(make, sampler="greedy", prepare=None):
+def pair(make, sampler="greedy", prepare=None, **pipeline):
     """The unsplit model and a pipeline of a second one with the same weights (``prepare`` runs on both)."""
     made = []
     for _ in range(2):
@@ -84,7 +89,7 @@ def pair(make, sampler="greedy", prepare=None):
         task.compile(sampler=sampler() if callable(sampler) else sampler)
         made.append(task)
     reference, handed_in = made
-    return reference, PipelineModel.from_model(handed_in)
+    return reference, PipelineModel.from_model(handed_in, **pipeline)
 
 
 def same(actual, expected, what):
@@ -180,6 +185,24 @@ def refused(case):
         refuses(lambda: model.generate(inputs(), stop_token_ids=None), "Cut the model with one chunk a rank")
 
 
+def dataset(case):
+    reference, model = pair(gpt2)
+    prompts_in = tf.data.Dataset.from_tensor_slices(inputs()).batch(3)  # (batches of 3, 3 and 1)
+    same(model.generate(prompts_in, stop_token_ids=None), reference.generate(prompts_in, stop_token_ids=None), case)
+
+
+def int8(case):
+    reference, model = pair(llama, prepare=lambda task: task.backbone.quantize("int8"))
+    assert any(v.dtype == "int8" for v in reference.weights), [v.dtype for v in reference.weights]
+    same(model.generate(inputs(), stop_token_ids=None), reference.generate(inputs(), stop_token_ids=None), case)
+
+
+def replicas(case):
+    reference, model = pair(gpt2, num_stages=max(1, SIZE // 2))
+    assert model.engine.num_replicas == SIZE // model.engine.num_stages == 2, model.engine.num_replicas
+    same(model.generate(inputs(), stop_token_ids=None), reference.generate(inputs(), stop_token_ids=None), case)
+
+
 CASES = {
     "families": families,
     "more_families": lambda case: families(case, (qwen, phi3, opt)),
@@ -187,6 +210,9 @@ CASES = {
     "lora": lora,
     "callback": callback,
     "refused": refused,
+    "dataset": dataset,
+    "int8": int8,
+    "replicas": replicas,
 }
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(CASES):
