@@ -18,7 +18,10 @@ seconds. A first job writes the files the loading routes read. The routes:
 - ``load_weights`` of each into the model;
 - a new pipeline that reads each (what a resumed job does): ``keras_pipe.load_model(.keras)``,
   and ``PipelineModel`` + ``compile`` + ``load_weights(.weights.json)``; these allocate the new
-  model's stage and optimizer, one share.
+  model's stage and optimizer, one share;
+- ``plain Keras: keras.models.load_model(.keras)`` (not by default): Keras' own load of the whole
+  model on every rank, the yardstick for the "new pipeline" rows on one rank, where a rank's share
+  is the whole model (``--ranks 1 --routes ...``, the three loading routes).
 
 Each row gives, per rank, the growth in MiB and as a multiple of the rank's
 share (its stage's weights and optimizer variables), and the largest single
@@ -46,7 +49,9 @@ ROUTES = (
     "load_weights .weights.json",
     "new pipeline: load_model .keras",
     "new pipeline: load_weights .weights.json",
+    "plain Keras: keras.models.load_model .keras",
 )
+DEFAULT_ROUTES = ROUTES[:-1]  # (the plain Keras row: the whole model on every rank; run it with --ranks 1)
 
 
 def _status(field: str) -> int:
@@ -111,6 +116,7 @@ def rank_main(args) -> None:
         "load_weights .weights.json": lambda: model.load_weights(f"{tmp}/m.weights.json"),
         "new pipeline: load_model .keras": lambda: kept.append(keras_pipe.load_model(f"{tmp}/m.keras")),
         "new pipeline: load_weights .weights.json": new_sharded,
+        "plain Keras: keras.models.load_model .keras": lambda: kept.append(keras.models.load_model(f"{tmp}/m.keras")),
     }
     world = model.engine.world
     world.barrier()
@@ -158,7 +164,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=24)
-    parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
+    parser.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--route", help=argparse.SUPPRESS)
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)

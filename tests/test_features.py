@@ -16,6 +16,7 @@ CASES = [
     "recompute",
     "deferred-batchnorm",
     "several-tensors",
+    "batch-statistic-loss",
 ]
 
 

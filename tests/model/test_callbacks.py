@@ -8,9 +8,12 @@ from mpi import run_mpi
 
 @pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow), 4])  # (2: the slow tier)
 def test_callbacks_match_sequential(tmp_path, nprocs):
-    launch = run_mpi(nprocs, "callbacks.py", str(tmp_path), timeout=400)
+    """Four ranks: callback_families.py too, in the same launch (test_callback_families_match_sequential's four)."""
+    families = ["--families"] if nprocs == 4 else []
+    launch = run_mpi(nprocs, "callbacks.py", str(tmp_path), *families, timeout=700)
     assert launch.returncode == 0, launch.output
     assert launch.output.count("CALLBACKS OK") == nprocs, launch.output
+    assert launch.output.count("FAMILIES OK") == (nprocs if families else 0), launch.output
 
 
 def test_backup_and_restore_resumes_a_killed_run_on_another_number_of_ranks(tmp_path):
@@ -46,7 +49,8 @@ def test_backup_and_restore_killed_while_writing_its_backup_resumes_from_the_las
     assert "written only in part" in damaged.output and "Delete" in damaged.output, damaged.output
 
 
-@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow), 4])  # (2: the slow tier)
+# (2: the slow tier; four ranks run it in test_callbacks_match_sequential's launch, after callbacks.py)
+@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow)])
 def test_callback_families_match_sequential(tmp_path, nprocs):
     """Issue 47: monitors on val_accuracy (mode auto), custom layers Keras cannot rebuild, TensorBoard histograms and
     embeddings, effects once per job, tf.distribute refused; see tests/mpi_scripts/callback_families.py."""

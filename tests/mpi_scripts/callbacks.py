@@ -1,7 +1,9 @@
 """Every built-in callback behaves as for Sequential, identically on every rank.
 
-Usage: callbacks.py TMPDIR. Trains a Sequential reference and a PipelineModel
-with the same callbacks and compares what the callbacks did.
+Usage: callbacks.py TMPDIR [--families]. Trains a Sequential reference and a PipelineModel
+with the same callbacks and compares what the callbacks did. ``--families``: then runs
+callback_families.py in the same launch (its files under TMPDIR/families), to start the
+ranks once for both.
 """
 
 import os
@@ -182,3 +184,11 @@ racing.fit(x, y, batch_size=101, epochs=1, verbose=0, callbacks=[checkpoint])  #
 assert all(os.path.exists(path.format(epoch=e)) for e in range(1, epochs + 1)), sorted(os.listdir(f"{tmp}/racing"))
 
 print(f"CALLBACKS OK rank {RANK} of {SIZE}: stopped at epoch {stopped}", flush=True)
+
+if "--families" in sys.argv[2:]:
+    import runpy
+
+    families = os.path.join(tmp, "families")
+    os.makedirs(families, exist_ok=True)
+    sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "callback_families.py"), families]
+    runpy.run_path(sys.argv[0], run_name="__main__")

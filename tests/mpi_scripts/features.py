@@ -9,10 +9,13 @@ mask crosses each boundary of a masked LSTM stack), ``masked-outputs`` (a per-to
 tagger's loss and metrics skip the masked entries of the whole batch), ``recompute`` (activation
 recomputation with dropout and batch normalization changes nothing),
 ``deferred-batchnorm`` (moving statistics of the whole batch, not the last micro-batch),
-``several-tensors`` (a skip connection crosses boundaries as a tuple of two tensors).
+``several-tensors`` (a skip connection crosses boundaries as a tuple of two tensors),
+``batch-statistic-loss`` (a layer whose added loss is a statistic of the whole batch, as a mixture of
+experts' load-balancing loss is: every rank warns at the first batch, naming it).
 """
 
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -400,6 +403,30 @@ def overflow(case):
         keras.mixed_precision.set_global_policy("float32")
 
 
+class BatchVarianceLoss(keras.layers.Layer):
+    """Adds the variance of its input over the batch: a statistic of the batch, not a mean over its rows."""
+
+    def call(self, inputs, training=None):
+        if training:
+            self.add_loss(0.01 * keras.ops.mean(keras.ops.var(inputs, axis=0)))
+        return inputs
+
+
+def batch_statistic_loss(case):
+    """No sum over micro-batches gives the batch's variance: a warning on every rank at the first batch, naming the
+    layer (``keras_pipe.engine.probe.batch_loss_notes``; tests/mpi_scripts/hub.py's Mixtral, in the slow tier, is
+    the same for a router's load-balancing loss)."""
+    keras.utils.set_random_seed(3)
+    chain = mlp()[:3] + [BatchVarianceLoss(name="batch_variance")] + mlp()[3:]
+    model = PipelineModel(chain, num_microbatches=4)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    notes = [str(w.message) for w in caught if "not a mean over the batch's rows" in str(w.message)]
+    assert [n.split()[0] for n in notes] == ["'batch_variance'"], notes
+
+
 CASES = {
     "clipnorm": clipnorm,
     "clipnorm-replicas": clipnorm,
@@ -413,6 +440,7 @@ CASES = {
     "recompute": recompute,
     "deferred-batchnorm": deferred_batchnorm,
     "several-tensors": several_tensors,
+    "batch-statistic-loss": batch_statistic_loss,
 }
 for name in sys.argv[1:] or list(CASES):
     if name == "clipnorm-replicas" and SIZE % 2:
