@@ -323,10 +323,15 @@ def read_value(store, key: str, allocate):
     """
     import numpy as np
 
-    if type(store) is not saving_lib.H5IOStore or not hasattr(store._h5_entry_group, "get"):
-        return np.asarray(store[key])
-    value = read_into(safe_dataset(store._h5_entry_group, key), allocate)
+    value = entry_value_into(store._h5_entry_group, key, allocate) if type(store) is saving_lib.H5IOStore else None
     return np.asarray(store[key]) if value is None else value
+
+
+def entry_value_into(group, key: str, allocate):
+    """Value ``key`` of an entry's HDF5 group (checked as Keras checks it: :func:`safe_dataset`) read into
+    ``allocate(shape, dtype)``'s array; ``None`` where the group is not yet a file's (Keras' empty stand-in) or the
+    value not a plain array (:func:`~keras_pipe.compat.tensors.read_into`)."""
+    return read_into(safe_dataset(group, key), allocate) if hasattr(group, "get") else None
 
 
 def weights_file_writer(filepath: str):

@@ -17,8 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.compat.saving import safe_dataset
-from keras_pipe.compat.tensors import assign_in_place, read_into
+from keras_pipe.compat.saving import entry_value_into
+from keras_pipe.compat.tensors import assign_in_place
 
 
 def unallocated(variable) -> bool:
@@ -254,8 +254,7 @@ def held_only_loading(allocate=None):
         def lazy(store, key):
             if reading:
                 if allocate is not None and read is reads.get(saving_lib.H5IOStore):  # (the base read: the file's)
-                    group = store._h5_entry_group
-                    value = read_into(safe_dataset(group, key), allocate) if hasattr(group, "get") else None
+                    value = entry_value_into(store._h5_entry_group, key, allocate)
                     if value is not None:
                         return value
                 return read(store, key)
