@@ -28,7 +28,8 @@ Workloads (Adam, sparse categorical cross-entropy, random data):
   line does); on 2 and 4 ranks (one pipeline) and 2 stages x 2 replicas,
   with the samples each rank produced (``produced`` in the table: only the
   first stages read; ``--compare-tree`` of a checkout from before shows
-  every rank reading);
+  every rank reading), and 2 x 2 again with each replica making only its
+  rows of each global batch (``distribute_datasets_from_function``);
 - ``llama-b16``: keras_hub's ``LlamaCausalLM`` from constructor arguments
   (vocabulary 8000, 4 layers, hidden 512, 128 tokens a sequence), batch 16
   sequences, figures in sequences per second; its "Sequential" rows are the
@@ -144,8 +145,12 @@ def worker(args):
         model, x, y, loss = language_model(spec, args, n)
     elif spec.get("data_ms"):
         x, y = make_data(n, spec["features"])
-        x, y = costly_dataset(x, y, spec), None
         model, loss = chain_model(spec, args), "sparse_categorical_crossentropy"
+        if args.per_replica:  # (each replica's first stage makes its own rows of every global batch)
+            made = model.distribute_strategy.distribute_datasets_from_function
+            x, y = made(lambda context, x=x, y=y: costly_dataset(x, y, spec, context)), None
+        else:
+            x, y = costly_dataset(x, y, spec), None
     else:
         x, y = make_data(n, spec["features"])
         model, loss = chain_model(spec, args), "sparse_categorical_crossentropy"
@@ -182,8 +187,12 @@ def worker(args):
 PRODUCED = [0]  # samples this process's costly_dataset made
 
 
-def costly_dataset(x, y, spec: dict):
-    """``(x, y)`` in batches, each sample costing ``spec["data_ms"]`` of Python in the map (counted in PRODUCED)."""
+def costly_dataset(x, y, spec: dict, context=None):
+    """``(x, y)`` in batches, each sample costing ``spec["data_ms"]`` of Python in the map (counted in PRODUCED).
+
+    ``context``: a ``tf.distribute.InputContext``: that replica's rows of each global batch alone (rows
+    ``[r b, (r + 1) b)`` of each, ``b`` the per-replica batch size), made and batched by ``b``.
+    """
     import tensorflow as tf
 
     cost = spec["data_ms"] / 1000
@@ -200,7 +209,16 @@ def costly_dataset(x, y, spec: dict):
         made.set_shape(sample.shape)
         return made, label
 
-    return tf.data.Dataset.from_tensor_slices((x, y)).map(decode).batch(spec["batch"])
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    if context is None:
+        return dataset.map(decode).batch(spec["batch"])
+    size, replicas, replica = (
+        context.get_per_replica_batch_size(spec["batch"]),
+        context.num_input_pipelines,
+        context.input_pipeline_id,
+    )
+    mine = dataset.enumerate().filter(lambda i, _: (i // size) % replicas == replica).map(lambda _, sample: sample)
+    return mine.map(decode).batch(size)
 
 
 def chain_model(spec: dict, args):
@@ -323,6 +341,9 @@ def configurations(workload: str, autotune: str = "off", torch: bool = False) ->
         for label, ranks, stages in (("2 ranks", 2, 2), ("4 ranks", 4, 4), ("2 stages x 2 replicas", 4, 2)):
             worker_args = ["--kind", "pipeline", "--microbatches", m, "--stages", str(stages)]
             rows.append((f"PipelineModel {label} 1f1b, m={m}", ranks, worker_args))
+        # (each replica reads only its rows: model.distribute_strategy.distribute_datasets_from_function)
+        worker_args = ["--kind", "pipeline", "--microbatches", m, "--stages", "2", "--per-replica"]
+        rows.append((f"PipelineModel 2 stages x 2 replicas per replica 1f1b, m={m}", 4, worker_args))
         return rows
     if spec["microbatches"]:  # (none: a workload of Sequential rows only)
         rows.append(("PipelineModel 1 rank, m=1", 1, ["--kind", "pipeline", "--microbatches", "1"]))
@@ -351,6 +372,7 @@ def main():
     parser.add_argument("--microbatches", type=microbatches_of, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     parser.add_argument("--stages", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--per-replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--recompute", default="never", help="PipelineModel's recompute= (never, always, ...)")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per launch")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (the median is shown)")

@@ -15,6 +15,19 @@ import contextlib
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: F401 (re-exported)
 
 
+def data_adapter(x, class_weight=None, shuffle=False):
+    """Keras' own adapter of ``x`` (a ``tf.data.Dataset``, ``PyDataset`` or generator), as ``fit`` makes it
+    (``trainers.data_adapters.get_data_adapter``, Keras 3.0-3.15).
+
+    Why: a replica's first stage reads the batches its own dataset function
+    made (``distribute_datasets_from_function``) through Keras' adapter of
+    them, inside an adapter that reports the batches every replica agreed on.
+    """
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    return get_data_adapter(x, class_weight=class_weight, shuffle=shuffle)
+
+
 def compiled_loss(model):
     """The ``CompileLoss`` built by ``compile()`` (``Trainer._compile_loss``, Keras 3.0-3.15).
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from keras_pipe.stage.losses import divisor_shares
-from keras_pipe.stage.microbatch import microbatch_bounds, replica_bounds
+from keras_pipe.stage.microbatch import bounds_of, microbatch_bounds, replica_bounds
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class StepInputs:
     sample_weight: Any = None
     loss: Any = None
     optimizer: Any = None
+    # each replica's rows of the global batch, where each replica's first stage read its own (``x``: this
+    # replica's rows alone); None: the replicas share the global batch as replica_bounds cuts it
+    shares: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Batch:
     # mean loss): the last stage sums each micro-batch's terms and divisors, and seeds its
     # backwards once the whole batch is counted.
     whole_batch_loss: bool = False
+    x_first: int = 0  # the global batch's row where ``x`` starts (a replica that read only its share)
 
 
 @dataclass
@@ -102,7 +106,7 @@ def stage_batch(engine, inputs: StepInputs) -> Batch:
     sample_weight, loss, optimizer = inputs.sample_weight, inputs.loss, inputs.optimizer
     if loss is not None:
         loss.masked = engine.output_masked()  # (known once measured, on the first batch)
-    first, last = replica_bounds(batch_size, engine.num_replicas)[engine.replica]
+    first, last = replica_rows(batch_size, engine.num_replicas, inputs.shares)[engine.replica]
     bounds = (
         [(first + a, first + b) for a, b in microbatch_bounds(last - first, engine.num_microbatches)]
         if (last > first)
@@ -128,4 +132,10 @@ def stage_batch(engine, inputs: StepInputs) -> Batch:
         optimizer=optimizer,
         regularize=engine.replica == 0 and phase != "predict",
         whole_batch_loss=whole,
+        x_first=first if inputs.shares is not None else 0,
     )
+
+
+def replica_rows(batch_size: int, num_replicas: int, shares=None) -> list[tuple[int, int]]:
+    """Each replica's ``(start, stop)`` in the global batch: ``shares`` where the replicas read their own rows."""
+    return replica_bounds(batch_size, num_replicas) if shares is None else bounds_of(list(shares))

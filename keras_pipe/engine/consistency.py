@@ -42,6 +42,7 @@ class StepAgreement:
         self.data_ranks = list(data_ranks or [])
         self.key = 0  # the digest of the batch description the followers hold
         self.description = None
+        self.shares = None  # the latest step's rows of each replica, where each read its own (else None)
 
     def begin_call(self) -> None:
         self.call += 1
@@ -60,6 +61,7 @@ class StepAgreement:
         description=None,
         key: int = 0,
         error: str | None = None,
+        joined: bool = False,
     ) -> tuple[bool, int, object]:
         """One step's header on every rank; returns the readers' ``(has data, batch size, description)``.
 
@@ -70,8 +72,13 @@ class StepAgreement:
         follower builds its stand-in from) and ``key``, a digest of it: the
         description travels only when a follower has not seen it yet. A read
         that failed on any rank is a :class:`PipelineDataError` on every rank.
+
+        ``joined``: each replica's first stage read its own share of the step
+        (``distribute_datasets_from_function``): the batch size returned is
+        the global batch's, the shares' sum, and ``shares`` holds each
+        replica's rows (replica 0's may not be empty where another's is not).
         """
-        header = np.array([PHASES[phase], self.call, self.step, state, batch_size, digest, key], np.int64)
+        header = np.array([PHASES[phase], self.call, self.step, state, batch_size, digest, key, int(joined)], np.int64)
         self.comm.doing = f"{phase} step {self.step}: checking that every rank has a batch"
         everyone = self.comm.allgather_array(header)
         self.step += 1
@@ -84,7 +91,12 @@ class StepAgreement:
                 f"{_PHASE_NAMES[int(header[0])]} step {self.step - 1}: {text}"
             )
         same_step = (everyone[:, :3] == everyone[0, :3]).all()
-        if not same_step or not (everyone[readers, 3:5] == everyone[readers[0], 3:5]).all():
+        if not same_step or not (everyone[readers, 7] == everyone[readers[0], 7]).all():
+            self._out_of_step(everyone)
+        self.shares = None
+        if everyone[readers[0], 7]:
+            return self._joined(everyone, description)
+        if not (everyone[readers, 3:5] == everyone[readers[0], 3:5]).all():
             self._out_of_step(everyone)
         self._compare_digests(everyone, header)
         root = readers[0]
@@ -92,6 +104,35 @@ class StepAgreement:
             self.description = self.comm.bcast_json(description if self.comm.rank == root else None, root=root)
             self.key = int(everyone[root, 6])
         return bool(everyone[root, 3]), int(everyone[root, 4]), self.description
+
+    def _joined(self, everyone, description) -> tuple[bool, int, object]:
+        """A step whose replicas each read their own share: the global batch's size, checked against the shares."""
+        readers = self.data_ranks
+        sizes = [int(everyone[rank, 4]) for rank in readers]
+        total = sum(sizes)
+        step = f"{_PHASE_NAMES[int(everyone[0, 0])]} step {self.step - 1}"
+        if total == 0:
+            return False, 0, self.description
+        if sizes[0] == 0:
+            raise RankMismatchError(
+                f"at {step} replica 0's data had ended while replicas {[r for r, n in enumerate(sizes) if n]} "
+                f"still read batches (of {sizes} rows; ranks {readers}): a replica's data may end before the "
+                "first replica's, not after it. Give every replica as many batches (tf.data's "
+                "shard(input_context.num_input_pipelines, input_context.input_pipeline_id) leaves the extra ones "
+                "on the first replicas)."
+            )
+        self.shares = tuple(sizes)
+        root = readers[0]
+        keys = {int(everyone[rank, 6]) for rank in readers if everyone[rank, 4] > 0}
+        if len(keys) > 1:
+            raise RankMismatchError(
+                f"the replicas' batches at {step} differ in structure, dtype or shape (ranks {readers}): every "
+                "replica's dataset function must make batches of the same kind."
+            )
+        if everyone[root, 6] != self.key:  # (followers, and a replica whose share is empty, build stand-ins)
+            self.description = self.comm.bcast_json(description if self.comm.rank == root else None, root=root)
+            self.key = int(everyone[root, 6])
+        return True, total, self.description
 
     def _compare_digests(self, everyone, header) -> None:
         digests = {int(everyone[rank, 5]) for rank in self.data_ranks}
@@ -111,7 +152,7 @@ class StepAgreement:
 
     def _out_of_step(self, everyone) -> None:
         rows = []
-        for rank, (code, call, step, data, size, _, _) in enumerate(everyone.tolist()):
+        for rank, (code, call, step, data, size, *_) in enumerate(everyone.tolist()):
             state = f"{_PHASE_NAMES.get(code, code)}, call {call}, step {step}, " + (
                 "following the first stage's batch"
                 if data == FOLLOWS

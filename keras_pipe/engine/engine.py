@@ -267,7 +267,11 @@ class Engine:
         if not self.is_last:
             return result.loss_part, None, None
         flat = self.predictions.joined(result.predictions, inputs.phase, self.cut.graph, self.masks)
-        return result.loss_part, result.terms, [self.predictions.gather_replicas(p, inputs.batch_size) for p in flat]
+        return (
+            result.loss_part,
+            result.terms,
+            [self.predictions.gather_replicas(p, inputs.batch_size, inputs.shares) for p in flat],
+        )
 
     def run_batch(self, inputs: StepInputs):
         """The batch's actions on this rank's chunks, run: the executor's result (a step's, or a timing's)."""

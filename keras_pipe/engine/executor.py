@@ -309,6 +309,7 @@ class Executor:
         start, stop = batch.bounds[action.microbatch]
         if (start, stop) == (0, batch.batch_size):
             return list(batch.x)
+        start, stop = start - batch.x_first, stop - batch.x_first  # (x: this replica's rows alone, if it read them)
         return [rows(x, start, stop) for x in batch.x]
 
     @staticmethod

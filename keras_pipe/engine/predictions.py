@@ -63,14 +63,18 @@ class PredictionExchange:
                 flat.append(tf.concat(pieces, axis=0))
         return flat
 
-    def gather_replicas(self, y_pred, batch_size: int):
-        """Last stage: the whole global batch's predictions (``Masked`` ones too), every replica's share, in order."""
+    def gather_replicas(self, y_pred, batch_size: int, shares=None):
+        """Last stage: the whole global batch's predictions (``Masked`` ones too), every replica's share, in order
+        (``shares``: each replica's rows, where each read its own; else as ``replica_bounds`` cuts the batch)."""
         if self.replicas is None:
             return y_pred
-        counts = [stop - start for start, stop in replica_bounds(batch_size, self.num_replicas)]
+        if shares is None:
+            shares = [b - a for a, b in replica_bounds(batch_size, self.num_replicas)]
+        counts = list(shares)
         if isinstance(y_pred, Masked):
             mask = self.replicas.allgather_rows(y_pred.mask.numpy().astype(np.uint8), counts)
-            return Masked(self.gather_replicas(y_pred.tensor, batch_size), tf.convert_to_tensor(mask.astype(bool)))
+            tensor = self.gather_replicas(y_pred.tensor, batch_size, shares)
+            return Masked(tensor, tf.convert_to_tensor(mask.astype(bool)))
         return tf.convert_to_tensor(self.replicas.allgather_rows(y_pred.numpy(), counts))
 
     def broadcast_predictions(self, flat, batch_size: int, graph) -> list:

@@ -102,6 +102,7 @@ def python_step_function(model, step, phase: str):
                 data = next(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 data = None
+            model._steps.drawn = data if agreed else None  # (a replica's own share: its place in the batch)
             if agreed:
                 data = None if data is None else data.data
             else:  # (train_on_batch's data, given to every rank)

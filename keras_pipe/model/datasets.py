@@ -40,6 +40,37 @@ def without_autotuning(dataset):
     return dataset.with_options(options)
 
 
+class PerReplica:
+    """Each replica's own data, tf.distribute's ``distribute_datasets_from_function``: what ``fit`` is given.
+
+    ``dataset_fn(input_context)`` (a ``tf.distribute.InputContext``: the
+    number of replicas, this one's index, ``get_per_replica_batch_size``) is
+    called on each replica's first stage alone, when a call is first given
+    this object, and returns what ``fit`` takes: a ``tf.data.Dataset``, a
+    ``PyDataset`` or a generator of this replica's batches. Step by step the
+    replicas' batches, joined in replica order, are the global batch (see
+    :mod:`keras_pipe.model.feeding`).
+    """
+
+    keras_pipe_described = "PerReplica"  # (what every rank compares of a call's data)
+
+    def __init__(self, dataset_fn):
+        if not callable(dataset_fn):
+            raise TypeError(f"distribute_datasets_from_function takes a function, got {type(dataset_fn).__name__}")
+        self.dataset_fn = dataset_fn
+        self.made = None  # (this rank's data, once made: first stages only)
+
+    def make(self, num_replicas: int, replica: int):
+        """This replica's data (called once, on a first stage)."""
+        if self.made is None:
+            context = tf.distribute.InputContext(num_replicas, replica, num_replicas)
+            made = self.dataset_fn(context)
+            if made is None:
+                raise TypeError("the dataset function returned None: it must return this replica's batches")
+            self.made = made
+        return self.made
+
+
 class DatasetStrategy:
     """Keras' distribution strategy (TensorFlow's default one), whose datasets are :func:`without_autotuning`.
 
@@ -59,6 +90,18 @@ class DatasetStrategy:
             return dataset
         dataset = self._strategy.experimental_distribute_dataset(without_autotuning(dataset), options)
         return dataset if self._feeding is None else self._feeding.drawing(dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Each replica reads its own data: ``dataset_fn(input_context)`` on each replica's first stage alone.
+
+        tf.distribute's convention (``input_context.input_pipeline_id`` is the
+        replica, ``num_input_pipelines`` the number of replicas): ``fit``,
+        ``evaluate`` and ``predict`` take what this returns, and each step's
+        global batch is the replicas' batches joined in replica order.
+        """
+        if not isinstance(options, (type(None), tf.distribute.InputOptions)):
+            raise TypeError(f"options must be a tf.distribute.InputOptions or None, got {type(options).__name__}")
+        return PerReplica(dataset_fn)  # (InputOptions place batches on devices: each stage places its own)
 
     def __getattr__(self, name):
         if name in ("_strategy", "_feeding"):  # (not yet set: a copy being made)

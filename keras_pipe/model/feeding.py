@@ -30,7 +30,13 @@ Every dataset Keras' loop makes or is given passes through
 :mod:`keras_pipe.model.datasets`): the step's agreement happens when Keras
 draws a batch, on every rank, whoever reads. With replicas, every replica's
 first stage reads each global batch and keeps its rows, as before (their
-digests are compared); the other stages read nothing.
+digests are compared); the other stages read nothing. Data given per replica
+(:class:`~keras_pipe.model.datasets.PerReplica`, from
+``model.distribute_strategy.distribute_datasets_from_function``) is read
+through a :class:`Joined` instead: each replica's first stage draws its own
+batch, the step's global batch is the replicas' joined (their labels and
+sample weights gathered between the first stages), and each replica's
+inputs are its own rows alone.
 
 >>> import numpy as np
 >>> described = describe((np.zeros((4, 3), np.float32), {"y": np.ones((4,), np.int64)}, None))
@@ -53,20 +59,31 @@ import tensorflow as tf
 
 from keras_pipe import compat
 from keras_pipe.engine.consistency import FAILED, FOLLOWS
+from keras_pipe.errors import PipelineDataError
+from keras_pipe.model.datasets import PerReplica, without_autotuning
 
 
 class Drawn:
-    """A batch whose step the ranks have already agreed on (the step function does not agree again)."""
+    """A batch whose step the ranks have already agreed on (the step function does not agree again).
 
-    __slots__ = ("data",)
+    Where each replica read its own share (``distribute_datasets_from_function``):
+    ``size`` is the global batch's rows and ``shares`` each replica's;
+    ``data``'s inputs are this replica's rows alone. Otherwise ``size`` and
+    ``shares`` are ``None``.
+    """
 
-    def __init__(self, data):
+    __slots__ = ("data", "shares", "size")
+
+    def __init__(self, data, size=None, shares=None):
         self.data = data
+        self.size = size
+        self.shares = shares
 
 
 def followed(x) -> bool:
-    """Whether ``x`` is data only the first stage reads: a dataset, a ``PyDataset`` or a generator (or a follower)."""
-    return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType, Following))
+    """Whether ``x`` is data only the first stage reads: a dataset, a ``PyDataset``, a generator or each replica's
+    own data (or a follower)."""
+    return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType, PerReplica, Following, Joined))
 
 
 def num_batches(x) -> int | None:
@@ -94,6 +111,7 @@ class Feeding:
         self.digest = digest
         self.calls: list[str] = []  # the calls in progress, innermost last (fit's validation runs evaluate)
         self.follows = False  # whether this call's data is read by the first stage alone
+        self.description = None  # (a joined reader's latest batch's, for an empty share)
 
     @property
     def phase(self) -> str:
@@ -105,7 +123,10 @@ class Feeding:
         Where ``x`` (or the validation data) is a dataset, ``PyDataset`` or
         generator: the first stage of replica 0 counts its batches and tells
         every rank. Arguments that already are followers (``fit`` passes its
-        validation data on to ``evaluate``) stay as they are.
+        validation data on to ``evaluate``) stay as they are. Where it is a
+        :class:`~keras_pipe.model.datasets.PerReplica`, each replica's first
+        stage makes its own data and reads it through a :class:`Joined`; an
+        epoch has as many steps as the longest replica's data.
         """
         engine = self.engine
         sources = {"x": arguments.get("x")}
@@ -113,21 +134,45 @@ class Feeding:
         if validation is not None:
             sources["validation_data"] = validation[0] if isinstance(validation, (tuple, list)) else validation
         wanted = {key: value for key, value in sources.items() if followed(value)}
-        if engine.num_stages == 1 or not wanted:
+        joined = {key for key, value in wanted.items() if isinstance(value, PerReplica)}
+        if not wanted or (engine.num_stages == 1 and not joined):
             return
-        root = engine.layout.rank_of(0, 0)
-        counts = {key: num_batches(value) for key, value in wanted.items()} if engine.world.rank == root else None
-        counts = engine.world.bcast_json(counts, root=root)
+        readers = [pipeline[0] for pipeline in engine.layout.pipelines]
+        counts = None
         if engine.stage == 0:
-            return
-        for key, value in wanted.items():
-            if isinstance(value, Following):
-                continue
-            follower = Following(self, counts[key], type(value).__name__)
-            if key == "x":
-                arguments["x"] = follower
+            try:
+                made = {key: wanted[key].make(engine.num_replicas, engine.replica) for key in joined}
+            except Exception as exception:  # (the user's dataset function: every rank raises)
+                counts = {"error": f"{type(exception).__name__}: {exception}"}
             else:
-                arguments["validation_data"] = follower
+                wanted.update(made)
+                counts = {key: num_batches(value) for key, value in wanted.items()}
+        everyone = engine.world.allgather_json(counts)
+        failed = [rank for rank in readers if "error" in everyone[rank]]
+        if failed:
+            raise PipelineDataError(
+                f"rank {engine.world.world_rank_of(failed[0])}, which reads the data, could not make its replica's "
+                f"data: {everyone[failed[0]]['error']}"
+            )
+        agreed = {key: everyone[readers[0]][key] for key in wanted}
+        for key in joined:  # (each replica's own count: the longest sets the epoch)
+            known = [everyone[rank][key] for rank in readers]
+            agreed[key] = None if None in known else max(known)
+        for key, value in wanted.items():
+            if engine.stage == 0 and key in joined:
+                class_weight = arguments.get("class_weight") if key == "x" else None
+                shuffle = bool(arguments.get("shuffle")) if key == "x" else False
+                # (one replica: its data is the whole data, read as any other)
+                substituted = Joined(self, value, agreed[key], class_weight, shuffle, engine.num_replicas > 1)
+            elif engine.stage == 0 or isinstance(value, Following):
+                continue
+            else:
+                kind = "PerReplica" if key in joined else type(value).__name__
+                substituted = Following(self, agreed[key], kind)
+            if key == "x":
+                arguments["x"] = substituted
+            else:
+                arguments["validation_data"] = substituted
 
     # -- a step's batch -------------------------------------------------------
 
@@ -145,8 +190,14 @@ class Feeding:
         """``dataset`` as Keras' loop iterates it: each batch agreed on by every rank as it is drawn."""
         return dataset if self.is_drawn(dataset) else Drawing(self, dataset)
 
-    def read(self, iterator) -> Drawn:
-        """A reader's next batch, after every rank agreed on it; ``StopIteration`` on every rank at the end."""
+    def read(self, iterator, joined: bool = False) -> Drawn:
+        """A reader's next batch, after every rank agreed on it; ``StopIteration`` on every rank at the end.
+
+        ``joined``: the replicas each read their own batch (a :class:`Joined`);
+        the step's global batch is theirs joined (:meth:`_joined`).
+        """
+        if joined:
+            return self._joined(iterator)
         error = None
         try:
             data = next(iterator)
@@ -159,11 +210,8 @@ class Feeding:
         if data is None:
             self._draw(0)
             raise StopIteration
-        x_y_weight = keras.utils.unpack_x_y_sample_weight(data)
-        size = _batch_size(x_y_weight)
-        description = describe(data)
-        text = json.dumps(description, sort_keys=True)
-        key = int(np.frombuffer(hashlib.blake2b(text.encode(), digest_size=8).digest(), np.int64)[0]) or 1
+        size = _batch_size(keras.utils.unpack_x_y_sample_weight(data))
+        description, key = _described(data)
         self._draw(1, size, self.digest(data), description, key)
         return Drawn(data)
 
@@ -172,38 +220,122 @@ class Feeding:
         has_data, size, description = self._draw(FOLLOWS)
         if not has_data:
             raise StopIteration
-        return Drawn(stand_in(description, size))
+        shares = self.engine.steps.shares
+        return Drawn(stand_in(description, size), size=None if shares is None else size, shares=shares)
 
-    def _draw(self, state, size=0, digest=0, description=None, key=0, error=None):
-        return self.engine.steps.draw(self.phase, state, size, digest, description, key, error)
+    def _joined(self, iterator) -> Drawn:
+        """A replica's own batch, with the labels and sample weights of the global batch the replicas' join into.
+
+        Every replica's first stage draws at once; the other stages follow
+        with the global batch's size and the replicas' shares. A replica whose
+        data ended before the first replica's has an empty share of the step.
+        """
+        try:
+            data = next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            data = None
+        except Exception as exception:  # (the user's map, __getitem__ or generator; every rank raises it)
+            self._draw(FAILED, error=f"{type(exception).__name__}: {exception}", joined=True)
+            raise
+        size, description, key = 0, None, 0
+        if data is not None:
+            size = _batch_size(keras.utils.unpack_x_y_sample_weight(data))
+            description, key = _described(data)
+            self.description = description
+        has_data, total, agreed = self._draw(1 if data is not None else 0, size, 0, description, key, joined=True)
+        if not has_data:
+            raise StopIteration
+        if data is None:  # (this replica's share of the step is empty)
+            data = stand_in(agreed, 0)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        shares = self.engine.steps.shares
+        gather = self.engine.replicas.allgather_rows
+
+        def joined(value):
+            return value if value is None else gather(np.asarray(value), list(shares))
+
+        y, sample_weight = (keras.tree.map_structure(joined, part) for part in (y, sample_weight))
+        return Drawn(keras.utils.pack_x_y_sample_weight(x, y, sample_weight), size=total, shares=shares)
+
+    def _draw(self, state, size=0, digest=0, description=None, key=0, error=None, joined=False):
+        return self.engine.steps.draw(self.phase, state, size, digest, description, key, error, joined)
 
 
 class Drawing:
     """A dataset whose batches are drawn through :meth:`Feeding.read` (Keras' loop calls ``iter`` each epoch)."""
 
-    def __init__(self, feeding: Feeding, dataset):
+    def __init__(self, feeding: Feeding, dataset, joined: bool = False):
         self.feeding = feeding
         self.dataset = dataset
+        self.joined = joined
 
     def __iter__(self):
-        return _Reader(self.feeding, iter(self.dataset))
+        return _Reader(self.feeding, iter(self.dataset), self.joined)
 
     def __getattr__(self, name):  # (what else Keras asks of a dataset, e.g. its cardinality)
-        if name in ("feeding", "dataset"):
+        if name in ("feeding", "dataset", "joined"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
 
 class _Reader:
-    def __init__(self, feeding: Feeding, iterator):
+    def __init__(self, feeding: Feeding, iterator, joined: bool = False):
         self.feeding = feeding
         self.iterator = iterator
+        self.joined = joined
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Drawn:
-        return self.feeding.read(self.iterator)
+        return self.feeding.read(self.iterator, self.joined)
+
+
+class Joined(compat.DataAdapter):
+    """What a replica's first stage gives Keras' loop in place of its own data (``distribute_datasets_from_function``).
+
+    Keras' own adapter of that data (``class_weight`` applied as ``fit``
+    applies it) read through :meth:`Feeding.read` with ``joined``: each batch
+    becomes the replica's share of a global batch (with one replica, the
+    global batch). ``num_batches`` is the longest replica's, so that every
+    rank's loop runs the same steps.
+    """
+
+    keras_pipe_described = "PerReplica"
+
+    def __init__(self, feeding: Feeding, data, batches: int | None, class_weight=None, shuffle=False, joined=True):
+        self.feeding = feeding
+        self.inner = compat.data_adapter(data, class_weight=class_weight, shuffle=shuffle)
+        self.batches = batches
+        self.joined = joined
+
+    def get_tf_dataset(self):
+        return Drawing(self.feeding, without_autotuning(self.inner.get_tf_dataset()), self.joined)
+
+    def get_numpy_iterator(self):
+        return Drawing(self.feeding, self.inner.get_numpy_iterator(), self.joined)
+
+    def on_epoch_begin(self):
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+
+    @property
+    def num_batches(self):
+        return self.batches
+
+    @property
+    def batch_size(self):
+        return None
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
 
 
 class Following(compat.DataAdapter):
@@ -273,6 +405,13 @@ def describe(data):
     if isinstance(data, tf.SparseTensor):
         return {"sparse": [dtype, [int(d) for d in data.dense_shape[1:]]]}
     return {"dense": [dtype, [int(d) for d in data.shape[1:]]]}
+
+
+def _described(data):
+    """A batch's description and a digest of it (the key a follower compares with the one it holds)."""
+    description = describe(data)
+    text = json.dumps(description, sort_keys=True)
+    return description, int(np.frombuffer(hashlib.blake2b(text.encode(), digest_size=8).digest(), np.int64)[0]) or 1
 
 
 def stand_in(description, size: int):

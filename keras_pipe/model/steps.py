@@ -50,6 +50,7 @@ class ModelSteps:
         self.loss: MicrobatchLoss | None = None
         self.stand_in_inputs = False
         self.last_logs: dict | None = None
+        self.drawn: Drawn | None = None  # the step's batch as Keras' loop drew it (None: train_on_batch's)
 
     def run(self, data, phase: str) -> dict:
         """One pipelined ``"train"`` or ``"test"`` step on a batch; returns the same logs on every rank."""
@@ -58,7 +59,7 @@ class ModelSteps:
         if phase == "train" and y is None and compat.compiled_loss(model) is not None:
             # every rank was given the same kind of data
             raise PipelineConfigError("fit() was given no y: training a PipelineModel with a loss needs targets.")
-        batch_size = batch_size_of(data)
+        batch_size, shares = self._place(data)
         flat_x = self.inputs(x)
         y = _as_numpy(y)
         if self.stand_in_inputs and stood_in(y):  # (not with class_weight; not train_on_batch's y)
@@ -73,7 +74,13 @@ class ModelSteps:
             )
         optimizer = model.optimizer
         inputs = StepInputs(
-            phase=phase, x=flat_x, batch_size=batch_size, y=y, sample_weight=sample_weight, optimizer=optimizer
+            phase=phase,
+            x=flat_x,
+            batch_size=batch_size,
+            y=y,
+            sample_weight=sample_weight,
+            optimizer=optimizer,
+            shares=shares,
         )
 
         def ready(picked: bool) -> None:
@@ -93,9 +100,17 @@ class ModelSteps:
         engine = self.engine
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         flat_x = self.inputs(x)  # (first: it checks the inputs' shapes, a scalar's among them, in Keras' words)
-        batch_size = batch_size_of(data)
-        flat = engine.step(StepInputs(phase="predict", x=flat_x, batch_size=batch_size))
+        batch_size, shares = self._place(data)
+        flat = engine.step(StepInputs(phase="predict", x=flat_x, batch_size=batch_size, shares=shares))
         return keras.tree.pack_sequence_as(engine.graph.output_structure(), flat)
+
+    def _place(self, data) -> tuple[int, tuple | None]:
+        """The step's global batch size, and each replica's rows of it where each replica's first stage read its
+        own (``distribute_datasets_from_function``: ``data``'s inputs are this replica's alone), else ``None``."""
+        drawn, self.drawn = self.drawn, None
+        if drawn is not None and drawn.shares is not None:
+            return drawn.size, drawn.shares
+        return batch_size_of(data), None
 
     def microbatch_loss(self, y) -> MicrobatchLoss:
         """The compiled loss term by term (built once per ``compile()``, from the first batch's labels)."""
@@ -146,8 +161,9 @@ class ModelSteps:
             outputs = []
             for step_data in data:
                 if isinstance(step_data, Drawn):  # (Keras' loop's batches: agreed as they were drawn)
-                    step_data = step_data.data
+                    self.drawn, step_data = step_data, step_data.data
                 else:  # (predict_on_batch's)
+                    self.drawn = None
                     engine.steps.agree("predict", True, batch_size_of(step_data), digest(step_data))
                 outputs.append(model.predict_step(step_data))
             if len(outputs) == 1:

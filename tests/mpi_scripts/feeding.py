@@ -225,6 +225,118 @@ check(
 )
 
 
+# Each replica reads its own share: tf.distribute's distribute_datasets_from_function on the model's strategy.
+# Batched by the per-replica size, then sharded: replica r reads batches r, r + R, ..., so step k's global batch is
+# rows [k B, (k + 1) B) in order, as one process's batch of B. 150 samples end in a short batch (on the last
+# replica of two), 48 validation samples in a step the second replica has no share of.
+SHORT = 150
+
+
+def shards(xs, ys, weights=None, targets=True):
+    def dataset_fn(context):
+        per_replica = context.get_per_replica_batch_size(BATCH)
+        parts = (xs, ys) if weights is None else (xs, ys, weights)
+        dataset = tf.data.Dataset.from_tensor_slices(parts if targets else (xs,)).batch(per_replica)
+        dataset = dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
+
+        def count_then_pass(*batch):
+            first = tf.numpy_function(counted, [batch[0]], tf.float32)
+            first.set_shape(batch[0].shape)
+            return (first, *batch[1:])
+
+        return dataset.map(count_then_pass)
+
+    return dataset_fn
+
+
+class ShardBatches(keras.utils.PyDataset):
+    """One replica's batches of a PyDataset: every num_replicas-th batch of the per-replica size."""
+
+    def __init__(self, context, xs, ys):
+        super().__init__()
+        self.xs, self.ys = xs, ys
+        self.size = context.get_per_replica_batch_size(BATCH)
+        self.replica, self.replicas = context.input_pipeline_id, context.num_input_pipelines
+        self.batches = -(-len(xs) // self.size)
+
+    def __len__(self):
+        return len(range(self.replica, self.batches, self.replicas))
+
+    def __getitem__(self, index):
+        start = (self.replica + index * self.replicas) * self.size
+        return counted(self.xs[start : start + self.size]), self.ys[start : start + self.size]
+
+
+def shard_generator(xs, ys, epochs):
+    def dataset_fn(context):
+        size = context.get_per_replica_batch_size(BATCH)
+
+        def batches():
+            for _ in range(epochs):
+                for start in range(context.input_pipeline_id * size, len(xs), size * context.num_input_pipelines):
+                    yield counted(xs[start : start + size]), ys[start : start + size]
+
+        return batches()
+
+    return dataset_fn
+
+
+def per_replica_run(case, make_train, reference_fit, **fit_args):
+    """whole_run's calls on each replica's own data (validation, evaluate and predict through tf.data shards)."""
+    strategy = make_pipeline().distribute_strategy
+    made = strategy.distribute_datasets_from_function
+    model = make_pipeline()
+    history = model.fit(
+        made(make_train()), validation_data=made(shards(vx, vy)), epochs=2, verbose=0, **fit_args
+    ).history
+    evaluated = model.evaluate(made(shards(vx, vy)), verbose=0)
+    predicted = model.predict(made(shards(vx, vy, targets=False)), verbose=0)
+    weights = model.get_weights()
+    counts_everywhere(case)
+    expected = trained_on_rank_0(
+        reference_model(),
+        fit=dict(x=x[:SHORT], y=y[:SHORT], batch_size=BATCH, validation_data=(vx, vy), epochs=2, shuffle=False)
+        | dict(verbose=0)
+        | reference_fit,
+        evaluate=dict(x=vx, y=vy, batch_size=BATCH),
+        predict=dict(x=vx, batch_size=BATCH),
+        key=f"feeding {case}",
+    )
+    check(case, history, weights, evaluated, predicted, expected)
+
+
+per_replica_run("per-replica tf.data", lambda: shards(x[:SHORT], y[:SHORT], sw[:SHORT]), {"sample_weight": sw[:SHORT]})
+per_replica_run(  # (class weights become sample weights in Keras' adapter of each replica's PyDataset)
+    "per-replica PyDataset",
+    lambda: lambda context: ShardBatches(context, x[:SHORT], y[:SHORT]),
+    {"class_weight": WEIGHTS},
+    class_weight=WEIGHTS,
+    shuffle=False,
+)
+per_replica_run(  # (of unknown length: two epochs' batches, steps_per_epoch given)
+    "per-replica generator",
+    lambda: shard_generator(x[:SHORT], y[:SHORT], epochs=2),
+    {},
+    steps_per_epoch=-(-SHORT // BATCH),
+)
+
+
+# A replica's dataset function raises: the same error on every rank.
+def failing(context):
+    if context.input_pipeline_id == context.num_input_pipelines - 1:
+        raise ValueError("no shard files for this replica")
+    return shards(x, y)(context)
+
+
+model = make_pipeline()
+try:
+    model.fit(model.distribute_strategy.distribute_datasets_from_function(failing), epochs=1, verbose=0)
+    print("FEED per-replica function error none", flush=True)
+except (ValueError, RuntimeError) as error:
+    print(f"FEED per-replica function error {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
+produced["n"] = 0
+
+
 # The user's map raises on the reading rank: the same error on every rank, and the job goes on.
 def broken(batch_x, batch_y):
     def fail(a):
