@@ -375,6 +375,7 @@ CASES = {
     "decoder": decoder,
     "gpt2": gpt2,
     "bert": bert,
+    "bert_two_outputs": lambda case: bert(case, both_only=True),
     "chunked": chunked,
     "shared_chunks": shared_chunks,
     "llama": llama,
