@@ -2,6 +2,7 @@
 
     python benchmarks/generation.py                              # Llama, 2 and 4 ranks, 1 and P groups
     python benchmarks/generation.py --ranks 2 --layers 2 --hidden 16 --batch 4 --length 8 --repeats 1   # tiny
+    python benchmarks/generation.py --ranks 2 4 --replicas 1 2   # also two replicas of half as many stages
 
 The model is a keras_hub ``LlamaCausalLM`` built from constructor arguments
 (``--layers`` decoder layers of width ``--hidden``, ``--vocabulary`` tokens;
@@ -13,7 +14,8 @@ model, calls ``generate()`` once to trace its functions, then times
 ``--repeats`` calls (prefill included) and reads each rank's peak resident
 memory (``VmHWM`` of ``/proc/self/status``) and its growth over the resident
 memory before the first call. Rows: the unsplit model in one process; the
-pipeline on each rank count with one group and with P groups (``num_groups``).
+pipeline on each rank count with one group and with P groups (``num_groups``),
+for each number of ``--replicas`` (each replica generating its share of the batch).
 The goal (issue 61): with P groups, tokens/s at least 0.8 x P x that of one group.
 """
 
@@ -88,9 +90,9 @@ def worker(args) -> None:
 
     from keras_pipe import PipelineModel
 
-    model = PipelineModel.from_model(_model(args))
+    model = PipelineModel.from_model(_model(args), num_stages=MPI.COMM_WORLD.Get_size() // args.replicas_now)
     rows = []
-    for groups in (1, model.num_stages):
+    for groups in sorted({1, model.num_stages}):
         seconds, peak, growth = _timed(
             lambda g=groups: model.generate(dict(x), stop_token_ids=None, num_groups=g), args
         )
@@ -120,6 +122,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--replicas", type=int, nargs="+", default=[1], help="replicas of the pipeline (each rank count)"
+    )
+    parser.add_argument("--replicas-now", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["unsplit", "pipeline"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -130,13 +136,19 @@ def main() -> None:
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     table = [("unsplit", 1, row) for row in _run([sys.executable, here, "--worker=unsplit", *shape], args.timeout)]
     for ranks in args.ranks:
-        command = [mpirun, "-n", str(ranks), sys.executable, here, "--worker=pipeline", *shape]
-        table += [("pipeline", ranks, row) for row in _run(command, args.timeout)]
+        for replicas in args.replicas:
+            if ranks % replicas:
+                continue
+            command = [mpirun, "-n", str(ranks), sys.executable, here, "--worker=pipeline", *shape]
+            command.append(f"--replicas-now={replicas}")
+            kind = "pipeline" if replicas == 1 else f"{ranks // replicas}x{replicas}"
+            table += [(kind, ranks, row) for row in _run(command, args.timeout)]
     print(
         f"Llama {args.layers} layers x {args.hidden}, vocabulary {args.vocabulary}, batch {args.batch}, length "
         f"{args.length}; {args.repeats} timed calls"
     )
     print(f"{'model':9} {'ranks':>5} {'groups':>6} {'tokens/s':>9}  peak MiB per rank (growth)")
+    print("(a model 'SxR': R replicas of S stages, each generating its share of the batch)")
     for kind, ranks, row in table:
         memory = "  ".join(f"{p / MIB:.0f} ({g / MIB:+.0f})" for p, g in zip(row["peaks"], row["growths"]))
         groups = "-" if kind == "unsplit" else row["groups"]

@@ -1,4 +1,4 @@
-"""``generate()`` on pipelined keras_hub causal LMs equals the unsplit model's (tests/mpi_scripts/generation.py).
+"""``generate()`` on pipelined keras_hub language models equals the unsplit model's (tests/mpi_scripts/generation.py).
 
 The placement of the model's pieces on the ranks is pure data, checked here in
 one process; the tokens under real ``mpirun``, against the unsplit model's
@@ -34,8 +34,12 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
 @pytest.mark.parametrize(
     "nprocs, cases",
     [
-        (2, ["families", "more_families", "refused", "sampling", "lora", "callback", "dataset", "int8", "replicas"]),
-        pytest.param(4, ["sampling", "replicas"], marks=pytest.mark.slow),
+        (
+            2,
+            ["families", "more_families", "refused", "sampling", "lora", "callback", "dataset", "int8", "replicas"]
+            + ["seq2seq"],
+        ),
+        pytest.param(4, ["sampling", "replicas", "seq2seq"], marks=pytest.mark.slow),
     ],
     ids=lambda value: str(value) if isinstance(value, int) else "-".join(value),
 )

@@ -1,4 +1,4 @@
-"""keras_hub's causal language models, each family's cached forward cut into embedding, decoder layers and head.
+"""keras_hub's language models, each family's cached forward cut into embedding, decoder layers and head.
 
 keras_hub's ``*CausalLM.call_with_cache`` runs the whole model on one token
 (or the prompt) with every layer's key/value cache. A pipeline runs it in
@@ -8,6 +8,12 @@ decoder layer with its own cache, the final norm and the head. A
 ``call_with_cache`` and ``_build_cache`` call them (keras_hub 0.32); only
 the families listed in :data:`FAMILIES` generate, each checked token for
 token against the unsplit model's ``generate()`` (tests/mpi_scripts/generation.py).
+
+A ``*Seq2SeqLM`` (:class:`Seq2SeqFamily`) has an encoder before: its
+embedding and each encoder layer are pieces too, run once on the prompts
+given to the encoder; each decoder layer keeps its self-attention cache and
+the cross-attention cache of the encoder's output, as the family's
+``call_decoder_with_cache`` and ``_build_cache`` keep them.
 """
 
 from __future__ import annotations
@@ -99,8 +105,85 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(task) -> Family | None:
-    """The :class:`Family` of a keras_hub task (by its exact class: a subclass may call its pieces otherwise)."""
+@dataclass(frozen=True)
+class Seq2SeqFamily:
+    """How one keras_hub encoder-decoder family's ``call_encoder`` and ``call_decoder_with_cache`` call their pieces.
+
+    Each embedding is cut into steps, each a piece of its own: the token
+    lookup (``backbone.token_embedding``, shared by the encoder, the decoder
+    and the head, often held by the first and the last rank alone), then
+    each of ``encoder_steps`` or ``decoder_steps``, ``(the backbone's
+    attribute whose weights decide the rank, (backbone, x, cache_update_index)
+    -> x)``, so that each runs where the pipeline holds it. The decoder's
+    embedding does not wait for the encoder: in the prefill both run side by
+    side on the ranks, and each new token's lookup and embedding run on their
+    ranks before the decoder's layers.
+
+    Args:
+        encoder_steps, decoder_steps: the embeddings' steps after the lookup.
+        head: the backbone's attributes the head uses.
+        cache_heads: ``backbone -> (heads, head size)`` of both caches.
+    """
+
+    encoder_steps: tuple
+    decoder_steps: tuple
+    head: tuple[str, ...]
+    cache_heads: Callable
+
+    def run_encoder_layer(self, layer, x, padding_mask):
+        return layer(x, padding_mask=padding_mask)
+
+    def run_layer(self, layer, x, encoded, padding_mask, cache, cross, index, cross_index):
+        """One decoder layer: ``(x, its self-attention cache, its cross-attention cache)``."""
+        return layer(
+            decoder_sequence=x,
+            encoder_sequence=encoded,
+            encoder_padding_mask=padding_mask,
+            self_attention_cache=cache,
+            self_attention_cache_update_index=index,
+            cross_attention_cache=cross,
+            cross_attention_cache_update_index=cross_index,
+        )
+
+    def run_head(self, backbone, x):
+        return backbone.token_embedding(x, reverse=True)
+
+
+def _bart_positions(side):
+    def positions(backbone, tokens, index):
+        embedding = getattr(backbone, f"{side}_position_embedding")
+        found = embedding(tokens) if index is None else embedding(tokens, start_index=index)
+        return backbone.decoder_embeddings_add((tokens, found))  # (BartSeq2SeqLM.call_encoder adds with it too)
+
+    return positions
+
+
+def _bart_norm(side):
+    def normed(backbone, x, index):
+        return getattr(backbone, f"{side}_embeddings_dropout")(getattr(backbone, f"{side}_embeddings_layer_norm")(x))
+
+    return normed
+
+
+SEQ2SEQ_FAMILIES: dict[str, Seq2SeqFamily] = {
+    "BartSeq2SeqLM": Seq2SeqFamily(
+        encoder_steps=(
+            ("encoder_position_embedding", _bart_positions("encoder")),
+            ("encoder_embeddings_layer_norm", _bart_norm("encoder")),
+        ),
+        decoder_steps=(
+            ("decoder_position_embedding", _bart_positions("decoder")),
+            ("decoder_embeddings_layer_norm", _bart_norm("decoder")),
+        ),
+        head=("token_embedding",),
+        cache_heads=_all_heads,
+    ),
+}
+
+
+def family_of(task) -> Family | Seq2SeqFamily | None:
+    """The family of a keras_hub task (by its exact class: a subclass may call its pieces otherwise)."""
     if not type(task).__module__.startswith("keras_hub"):
         return None
-    return FAMILIES.get(type(task).__name__)
+    name = type(task).__name__
+    return FAMILIES.get(name) or SEQ2SEQ_FAMILIES.get(name)

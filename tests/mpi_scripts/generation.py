@@ -22,7 +22,11 @@ refused on every rank. ``dataset``: prompts given as a batched ``tf.data.Dataset
 (keras_hub generates batch by batch and joins the outputs). ``int8``: a Llama
 backbone quantized to int8 (``backbone.quantize("int8")``) before the pipeline is
 made. ``replicas``: ``num_stages`` half the ranks (two replicas: on two ranks, one
-stage each), every replica generating, every rank returning the unsplit model's tokens.
+stage each), each replica generating its share of the batch, every rank returning the unsplit model's
+tokens: greedy, with stop tokens that end one replica's rows before the other's, and seeded top-k; prompts
+that differ between the replicas are refused on every rank. ``seq2seq``: BART (encoder once, then the decoder
+token by token with its self- and cross-attention caches) greedy, with a stop token and seeded top-k; T5's task
+refused by name.
 """
 
 import sys
@@ -198,12 +202,93 @@ def int8(case):
 
 
 def replicas(case):
+    """Two replicas, each generating its share of the batch (rows 0-3 and 4-6), every rank returning all of it."""
     reference, model = pair(gpt2, num_stages=max(1, SIZE // 2))
     assert model.engine.num_replicas == SIZE // model.engine.num_stages == 2, model.engine.num_replicas
-    same(model.generate(inputs(), stop_token_ids=None), reference.generate(inputs(), stop_token_ids=None), case)
+    expected = reference.generate(inputs(), stop_token_ids=None)
+    same(model.generate(inputs(), stop_token_ids=None), expected, case)
+    # Stop tokens that end replica 0's rows first (each one's first new token): it goes on writing tokens into its
+    # finished rows, as the unsplit model's loop does, until replica 1's rows are done too.
+    stop = sorted({int(expected["token_ids"][row, prompt_lengths[row]]) for row in range(4)})
+    expected = reference.generate(inputs(), stop_token_ids=stop)
+    assert not expected["padding_mask"][:4, -1].any() and expected["padding_mask"][4:, -1].any(), expected
+    same(model.generate(inputs(), stop_token_ids=stop), expected, f"{case} stop")
+    same(
+        model.generate(inputs(), stop_token_ids=[int(prompts[0, 0])]),
+        reference.generate(inputs(), stop_token_ids=[int(prompts[0, 0])]),
+        f"{case} prompt token",
+    )
+    # Seeded top-k, twice (the seed generator's state carries over on every replica)
+    reference, model = pair(gpt2, lambda: keras_hub.samplers.TopKSampler(k=5, seed=7), num_stages=max(1, SIZE // 2))
+    for call in range(2):
+        expected = reference.generate(inputs(), stop_token_ids=None)
+        same(model.generate(inputs(), stop_token_ids=None), expected, f"{case} top-k call {call}")
+    # Every rank must give the same prompts: one replica's differ, an error on every rank
+    changed = inputs()
+    if model.engine.replica == 1:
+        changed["token_ids"][0, 0] += 1
+    try:
+        model.generate(changed, stop_token_ids=None)
+    except PipelineConfigError as error:
+        assert "the replicas were given different prompts" in str(error), error
+    else:
+        raise AssertionError("different prompts on the replicas were not refused")
 
+
+def seq2seq(case):
+    """BART (encoder once, decoder by token): greedy, a stop token, seeded top-k, against the unsplit model; T5's
+    task is refused by name on every rank."""
+    encoder_lengths = np.array([5, 9, 3, 10, 7, 2, 6])
+    encoder_mask = np.arange(10)[None, :] < encoder_lengths[:, None]
+    encoder_ids = np.where(encoder_mask, rng_bart.integers(1, VOCAB, size=encoder_mask.shape), 0).astype("int32")
+
+    def bart_inputs():
+        return {
+            "encoder_token_ids": encoder_ids.copy(),
+            "encoder_padding_mask": encoder_mask.copy(),
+            "decoder_token_ids": prompts.copy(),
+            "decoder_padding_mask": prompt_mask.copy(),
+        }
+
+    def bart():
+        backbone = keras_hub.models.BartBackbone(
+            vocabulary_size=VOCAB,
+            num_layers=LAYERS,
+            num_heads=2,
+            hidden_dim=DIM,
+            intermediate_dim=32,
+            dropout=0.0,
+            max_sequence_length=LENGTH,
+        )
+        return keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
+
+    reference, model = pair(bart)
+    expected = reference.generate(bart_inputs(), stop_token_ids=None)
+    same(model.generate(bart_inputs(), stop_token_ids=None), expected, f"{case} greedy")
+    stop = [int(expected["decoder_token_ids"][0, prompt_lengths[0] + 1])]
+    expected = reference.generate(bart_inputs(), stop_token_ids=stop)
+    same(model.generate(bart_inputs(), stop_token_ids=stop), expected, f"{case} stop")
+    reference, model = pair(bart, lambda: keras_hub.samplers.TopKSampler(k=5, seed=7))
+    for call in range(2):
+        expected = reference.generate(bart_inputs(), stop_token_ids=None)
+        same(model.generate(bart_inputs(), stop_token_ids=None, num_groups=2), expected, f"{case} top-k {call}")
+    keras.utils.set_random_seed(5)
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=VOCAB, num_layers=LAYERS, num_heads=2, hidden_dim=DIM, intermediate_dim=32, dropout=0.0
+    )
+    model = PipelineModel.from_model(keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None))
+    try:
+        model.generate(bart_inputs(), stop_token_ids=None)
+    except PipelineConfigError as error:
+        assert "this pipeline's model is a T5Seq2SeqLM" in str(error), error
+    else:
+        raise AssertionError("T5 not refused")
+
+
+rng_bart = np.random.default_rng(4)
 
 CASES = {
+    "seq2seq": seq2seq,
     "families": families,
     "more_families": lambda case: families(case, (qwen, phi3, opt)),
     "sampling": sampling,
