@@ -8,7 +8,8 @@ comparison is of keras_hub's whole output (``token_ids`` and
 ``padding_mask``), with prompts of different lengths in one batch. Cases:
 
 ``families``: greedy decoding of GPT-2, Llama, Mistral and Gemma
-(``more_families``: Qwen, Phi-3 and OPT) with the default number of groups (what differs between families is
+(``more_families``: Qwen, Phi-3 and OPT; ``each_call``: GPT-2, Llama, Gemma, Phi-3 and OPT, each way a family's
+pieces are called; ``like_llama``: Mistral and Qwen) with the default number of groups (what differs between families is
 how their pieces are called; the loop is the same); then GPT-2 with one
 group, and Llama with a stop token taken from its greedy output (row 0
 stops early, others run on) and ``strip_prompt=True``. ``sampling``: a
@@ -291,6 +292,10 @@ CASES = {
     "seq2seq": seq2seq,
     "families": families,
     "more_families": lambda case: families(case, (qwen, phi3, opt)),
+    # (each way a family's pieces are called: GPT-2's, Llama's, Gemma's embedding and cache, Phi-3's cache, OPT's
+    # embedding; Mistral and Qwen call theirs as Llama does)
+    "each_call": lambda case: families(case, (gpt2, llama, gemma, phi3, opt)),
+    "like_llama": lambda case: families(case, (mistral, qwen)),
     "sampling": sampling,
     "lora": lora,
     "callback": callback,
