@@ -291,7 +291,28 @@ class _Reader:
         return self.feeding.read(self.iterator, self.joined)
 
 
-class Joined(compat.DataAdapter):
+class _AgreedBatches(compat.DataAdapter):
+    """A Keras ``DataAdapter`` whose epoch has ``self.batches`` batches, the number every rank agreed on; their
+    sizes are known only as each is drawn."""
+
+    @property
+    def num_batches(self):
+        return self.batches
+
+    @property
+    def batch_size(self):
+        return None
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+
+class Joined(_AgreedBatches):
     """What a replica's first stage gives Keras' loop in place of its own data (``distribute_datasets_from_function``).
 
     Keras' own adapter of that data (``class_weight`` applied as ``fit``
@@ -321,24 +342,8 @@ class Joined(compat.DataAdapter):
     def on_epoch_end(self):
         self.inner.on_epoch_end()
 
-    @property
-    def num_batches(self):
-        return self.batches
 
-    @property
-    def batch_size(self):
-        return None
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
-
-
-class Following(compat.DataAdapter):
+class Following(_AgreedBatches):
     """What a stage that does not read sees in place of the data: the readers' batches, as stand-ins.
 
     A Keras ``DataAdapter`` (Keras' ``get_data_adapter`` takes one as it is):
@@ -359,22 +364,6 @@ class Following(compat.DataAdapter):
 
     def __iter__(self):
         return _Follower(self.feeding)
-
-    @property
-    def num_batches(self):
-        return self.batches
-
-    @property
-    def batch_size(self):
-        return None
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
 
 
 class _Follower:
