@@ -130,6 +130,12 @@ class Feeding:
         """
         engine = self.engine
         sources = {"x": arguments.get("x")}
+        if arguments.get("validation_split") and followed(sources["x"]) and not isinstance(sources["x"], Following):
+            # (Keras' own error names the class it was given: a follower's on the ranks that do not read)
+            raise ValueError(
+                "Argument `validation_split` is only supported for tensors or NumPy arrays; fit() was given a "
+                f"{type(sources['x']).__name__}. Pass validation_data instead."
+            )
         validation = arguments.get("validation_data")
         if validation is not None:
             sources["validation_data"] = validation[0] if isinstance(validation, (tuple, list)) else validation

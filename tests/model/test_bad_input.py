@@ -23,6 +23,7 @@ EXPECTED = {
     "compute_loss override": "OwnLoss overrides compute_loss()",
     "keras.saving.save_model": "keras.saving.save_model(model, ...) writes one process's objects, and with 4 stages",
     "tf.train.Checkpoint": "tf.train.Checkpoint or tf.saved_model.save of the pipeline writes one process's objects",
+    "validation_split of a dataset": "only supported for tensors or NumPy arrays; fit() was given a _BatchDataset",
     "save_to_preset of a chain": "save_to_preset() is a keras_hub task's or backbone's; this pipeline's model is a",
     "train_step of the model given": "OwnTrainStep overrides train_step(): a PipelineModel runs its own steps",
     "compute_loss of the model given": "OwnComputeLoss overrides compute_loss(): a PipelineModel runs its own steps",

@@ -143,6 +143,11 @@ case(
     lambda: compiled(layers()),
     written_by(lambda model, path: tf.train.Checkpoint(model=model).save(path)),
 )
+case(  # (Keras' own error would name the class each rank holds: the dataset, or a follower's)
+    "validation_split of a dataset",
+    lambda: compiled(layers()),
+    lambda m: m.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), validation_split=0.2, verbose=0),
+)
 case(
     "save_to_preset of a chain",
     lambda: compiled(layers()),
