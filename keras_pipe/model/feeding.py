@@ -66,17 +66,15 @@ from keras_pipe.model.datasets import PerReplica, without_autotuning
 class Drawn:
     """A batch whose step the ranks have already agreed on (the step function does not agree again).
 
-    Where each replica read its own share (``distribute_datasets_from_function``):
-    ``size`` is the global batch's rows and ``shares`` each replica's;
-    ``data``'s inputs are this replica's rows alone. Otherwise ``size`` and
-    ``shares`` are ``None``.
+    ``shares``: where each replica read its own share
+    (``distribute_datasets_from_function``), each replica's rows of the global
+    batch (``data``'s inputs are this replica's rows alone); else ``None``.
     """
 
-    __slots__ = ("data", "shares", "size")
+    __slots__ = ("data", "shares")
 
-    def __init__(self, data, size=None, shares=None):
+    def __init__(self, data, shares=None):
         self.data = data
-        self.size = size
         self.shares = shares
 
 
@@ -111,7 +109,6 @@ class Feeding:
         self.digest = digest
         self.calls: list[str] = []  # the calls in progress, innermost last (fit's validation runs evaluate)
         self.follows = False  # whether this call's data is read by the first stage alone
-        self.description = None  # (a joined reader's latest batch's, for an empty share)
 
     @property
     def phase(self) -> str:
@@ -204,15 +201,7 @@ class Feeding:
         """
         if joined:
             return self._joined(iterator)
-        error = None
-        try:
-            data = next(iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-            data = None
-        except Exception as exception:  # (the user's map, __getitem__ or generator; every rank raises it)
-            data, error = None, f"{type(exception).__name__}: {exception}"
-            self._draw(FAILED, error=error)
-            raise
+        data = self._next(iterator, joined=False)
         if data is None:
             self._draw(0)
             raise StopIteration
@@ -227,7 +216,7 @@ class Feeding:
         if not has_data:
             raise StopIteration
         shares = self.engine.steps.shares
-        return Drawn(stand_in(description, size), size=None if shares is None else size, shares=shares)
+        return Drawn(stand_in(description, size), shares=shares)
 
     def _joined(self, iterator) -> Drawn:
         """A replica's own batch, with the labels and sample weights of the global batch the replicas' join into.
@@ -236,19 +225,12 @@ class Feeding:
         with the global batch's size and the replicas' shares. A replica whose
         data ended before the first replica's has an empty share of the step.
         """
-        try:
-            data = next(iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-            data = None
-        except Exception as exception:  # (the user's map, __getitem__ or generator; every rank raises it)
-            self._draw(FAILED, error=f"{type(exception).__name__}: {exception}", joined=True)
-            raise
+        data = self._next(iterator, joined=True)
         size, description, key = 0, None, 0
         if data is not None:
             size = _batch_size(keras.utils.unpack_x_y_sample_weight(data))
             description, key = _described(data)
-            self.description = description
-        has_data, total, agreed = self._draw(1 if data is not None else 0, size, 0, description, key, joined=True)
+        has_data, _, agreed = self._draw(1 if data is not None else 0, size, 0, description, key, joined=True)
         if not has_data:
             raise StopIteration
         if data is None:  # (this replica's share of the step is empty)
@@ -261,7 +243,18 @@ class Feeding:
             return value if value is None else gather(np.asarray(value), list(shares))
 
         y, sample_weight = (keras.tree.map_structure(joined, part) for part in (y, sample_weight))
-        return Drawn(keras.utils.pack_x_y_sample_weight(x, y, sample_weight), size=total, shares=shares)
+        return Drawn(keras.utils.pack_x_y_sample_weight(x, y, sample_weight), shares=shares)
+
+    def _next(self, iterator, joined: bool):
+        """A reader's next batch of the user's data, ``None`` at its end; an exception inside the user's ``map``,
+        ``__getitem__`` or generator is told to every rank (each raises it) before it is raised here."""
+        try:
+            return next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            return None
+        except Exception as exception:
+            self._draw(FAILED, error=f"{type(exception).__name__}: {exception}", joined=joined)
+            raise
 
     def _draw(self, state, size=0, digest=0, description=None, key=0, error=None, joined=False):
         return self.engine.steps.draw(self.phase, state, size, digest, description, key, error, joined)

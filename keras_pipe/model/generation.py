@@ -375,7 +375,7 @@ class PipelinedGenerator:
         done = [[_all_done(prompt[a:b], mask[a:b], stop)] for a, b in bounds]  # done[g][k]: after k steps
         # everywhere[k]: whether the whole batch (every replica's rows) is done after k steps, where split
         everywhere = [self._everywhere(all(group[0] for group in done))] if split else None
-        steps = 0 if most == 0 else _first_all_done(done, 0) if not split else (0 if everywhere[0] else None)
+        steps = 0 if most == 0 else (_first_true(everywhere) if split else _first_all_done(done, 0))
         if me in self.prefill_chain and (steps is None or steps > 0):
             split_at = (offset, batch, everywhere)
             self._loop(prompt, mask, bounds, start, most, stop, sampler, initial, done, split_at, extra)
@@ -409,10 +409,8 @@ class PipelinedGenerator:
         if me not in chain:  # (a rank of the encoder alone: done)
             comm.flush()
             return
-        where = chain.index(me)
-        first, last = where == 0, where == len(chain) - 1
-        previous = None if first else chain[where - 1]
-        following = None if last else chain[where + 1]
+        previous, following = self._neighbours(chain)
+        first, last = previous is None, following is None
         draw = self._function(
             ("draw", id(sampler)), lambda logits: sampler.get_next_token(sampler.compute_probabilities(logits))
         )

@@ -109,7 +109,7 @@ class ModelSteps:
         own (``distribute_datasets_from_function``: ``data``'s inputs are this replica's alone), else ``None``."""
         drawn, self.drawn = self.drawn, None
         if drawn is not None and drawn.shares is not None:
-            return drawn.size, drawn.shares
+            return sum(drawn.shares), drawn.shares
         return batch_size_of(data), None
 
     def microbatch_loss(self, y) -> MicrobatchLoss:
