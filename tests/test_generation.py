@@ -33,7 +33,7 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
 # the default launch runs GPT-2, Llama, Gemma, Phi-3 and OPT, each way a family's pieces are called), and one launch
 # on four (seeded sampling, 3 groups on 4 stages: the two-rank launch samples seeded too, one group and two; two
 # replicas of two stages: the two-rank launch runs two of one stage; BART's embeddings and encoder over more ranks
-# than the decoder).
+# than the decoder; T5's position bias travelling inside both stacks, where two ranks cut inside its decoder only).
 @pytest.mark.parametrize(
     "nprocs, cases",
     [

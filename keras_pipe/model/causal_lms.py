@@ -13,7 +13,10 @@ A ``*Seq2SeqLM`` (:class:`Seq2SeqFamily`) has an encoder before: its
 embedding and each encoder layer are pieces too, run once on the prompts
 given to the encoder; each decoder layer keeps its self-attention cache and
 the cross-attention cache of the encoder's output, as the family's
-``call_decoder_with_cache`` and ``_build_cache`` keep them.
+``call_decoder_with_cache`` and ``_build_cache`` keep them. T5's
+(:class:`T5Family`) first layer of each stack computes the relative position
+bias, the attention mask folded in, and hands it to the layers after it: the
+bias travels beside the hidden states to the ranks of those layers.
 """
 
 from __future__ import annotations
@@ -123,19 +126,25 @@ class Seq2SeqFamily:
         encoder_steps, decoder_steps: the embeddings' steps after the lookup.
         head: the backbone's attributes the head uses.
         cache_heads: ``backbone -> (heads, head size)`` of both caches.
+        encoder_end, decoder_end: steps after each stack's last layer (its
+            final norm), each a piece of its own, as the embeddings' steps.
     """
 
     encoder_steps: tuple
     decoder_steps: tuple
     head: tuple[str, ...]
     cache_heads: Callable
+    encoder_end: tuple = ()
+    decoder_end: tuple = ()
+    position_bias = False  # (whether a stack's first layer hands a bias to the layers after it)
 
-    def run_encoder_layer(self, layer, x, padding_mask):
-        return layer(x, padding_mask=padding_mask)
+    def run_encoder_layer(self, layer, x, padding_mask, bias):
+        """One encoder layer: ``(x, the bias for the next layer)`` (None: the family has none)."""
+        return layer(x, padding_mask=padding_mask), None
 
-    def run_layer(self, layer, x, encoded, padding_mask, cache, cross, index, cross_index):
-        """One decoder layer: ``(x, its self-attention cache, its cross-attention cache)``."""
-        return layer(
+    def run_layer(self, layer, x, encoded, padding_mask, cache, cross, index, cross_index, bias):
+        """One decoder layer: ``(x, its self-attention cache, its cross-attention cache, the bias for the next)``."""
+        x, cache, cross = layer(
             decoder_sequence=x,
             encoder_sequence=encoded,
             encoder_padding_mask=padding_mask,
@@ -144,8 +153,45 @@ class Seq2SeqFamily:
             cross_attention_cache=cross,
             cross_attention_cache_update_index=cross_index,
         )
+        return x, cache, cross, None
 
     def run_head(self, backbone, x):
+        return backbone.token_embedding(x, reverse=True)
+
+
+class T5Family(Seq2SeqFamily):
+    """T5's layers, as ``T5Seq2SeqLM.call_encoder`` and ``call_decoder_with_cache`` call them.
+
+    Each stack's first layer computes the relative position bias with the
+    attention mask folded in (the padding mask in the encoder, the causal
+    mask at the cache index in the decoder) and returns it; every later
+    layer takes it and ignores its own mask, so the bias is what travels
+    between the ranks, shape ``(rows, heads, queries, keys)``.
+    """
+
+    position_bias = True
+
+    def run_encoder_layer(self, layer, x, padding_mask, bias):
+        return layer(x, attention_mask=padding_mask[:, None, :], position_bias=bias, use_causal_mask=False)
+
+    def run_layer(self, layer, x, encoded, padding_mask, cache, cross, index, cross_index, bias):
+        x, bias, cache, cross = layer(
+            x,
+            position_bias=bias,
+            encoder_hidden_states=encoded,
+            encoder_attention_mask=padding_mask[:, None, :],
+            use_causal_mask=True,
+            self_attention_cache=cache,
+            self_attention_cache_update_index=index,
+            cross_attention_cache=cross,
+            cross_attention_cache_update_index=cross_index,
+        )
+        return x, cache, cross, bias
+
+    def run_head(self, backbone, x):
+        """``T5Seq2SeqLM._logits``: scaled by ``hidden_dim ** -0.5`` where the head is the tied embedding."""
+        if backbone.tie_embedding_weights:
+            x = ops.multiply(x, ops.cast(backbone.hidden_dim**-0.5, x.dtype))
         return backbone.token_embedding(x, reverse=True)
 
 
@@ -165,6 +211,24 @@ def _bart_norm(side):
     return normed
 
 
+def _t5_dropout(side):
+    def dropped(backbone, x, index):
+        return getattr(backbone, f"{side}_embedding_dropout")(x)
+
+    return dropped
+
+
+def _t5_norm(side):
+    def normed(backbone, x, index):
+        return getattr(backbone, f"{side}_dropout")(getattr(backbone, f"{side}_layer_norm")(x))
+
+    return normed
+
+
+def _t5_heads(backbone):
+    return backbone.num_heads, backbone.key_value_dim or backbone.hidden_dim // backbone.num_heads
+
+
 SEQ2SEQ_FAMILIES: dict[str, Seq2SeqFamily] = {
     "BartSeq2SeqLM": Seq2SeqFamily(
         encoder_steps=(
@@ -177,6 +241,14 @@ SEQ2SEQ_FAMILIES: dict[str, Seq2SeqFamily] = {
         ),
         head=("token_embedding",),
         cache_heads=_all_heads,
+    ),
+    "T5Seq2SeqLM": T5Family(
+        encoder_steps=(("encoder_embedding_dropout", _t5_dropout("encoder")),),
+        decoder_steps=(("decoder_embedding_dropout", _t5_dropout("decoder")),),
+        head=("token_embedding",),
+        cache_heads=_t5_heads,
+        encoder_end=(("encoder_layer_norm", _t5_norm("encoder")),),
+        decoder_end=(("decoder_layer_norm", _t5_norm("decoder")),),
     ),
 }
 

@@ -29,13 +29,16 @@ would (a group whose rows are all done goes on until the rank of the head
 knows that every group is; what it wrote past the whole batch's last step
 is put back). Every rank returns the result, broadcast from the rank of the head.
 
-A ``*Seq2SeqLM`` (BART) adds its encoder's pieces, run once in the prefill:
+A ``*Seq2SeqLM`` (BART, T5) adds its encoder's pieces, run once in the prefill:
 its embedding and the decoder's are each placed from the first rank on
 (:func:`place_side_by_side`), the decoder's layers after both; in the
 prefill the encoder's output travels beside the decoder's hidden states to
 every rank holding a decoder layer, which keeps its self-attention cache and
 the cross-attention cache of that output. Each decode step is then the
 decoder's alone, its ranks in order (the encoder's ranks take no part).
+T5's relative position bias, made by each stack's first layer, travels
+beside the hidden states from that layer's rank to its stack's last
+layer's (:meth:`PipelinedGenerator._sends_bias`).
 
 With replicas, each replica generates its share of the batch (the rows
 ``replica_bounds`` gives it) and the shares are gathered between the
@@ -155,12 +158,17 @@ def pieces_of(engine, task, family) -> list[Piece]:
             pieces.append(Piece(f"the encoder's {name}", "encoder_embedding", index, held_by(name, layers)))
         for index, layer in enumerate(backbone.encoder_transformer_layers):
             pieces.append(Piece(f"encoder layer {layer.name!r}", "encoder_layer", index, held_by(layer.name, [layer])))
+        for index, (name, _) in enumerate(family.encoder_end):
+            layers = [getattr(backbone, name)]
+            pieces.append(Piece(f"the encoder's {name}", "encoder_end", index, held_by(name, layers)))
     else:
         pieces.append(
             Piece("the embedding", "embedding", holders=held_by("the embedding", _layers(backbone, family.embedding)))
         )
     for index, layer in enumerate(decoder_layers(backbone, family)):
         pieces.append(Piece(f"decoder layer {layer.name!r}", "layer", index, held_by(layer.name, [layer])))
+    for index, (name, _) in enumerate(getattr(family, "decoder_end", ())):
+        pieces.append(Piece(f"the decoder's {name}", "decoder_end", index, held_by(name, [getattr(backbone, name)])))
     pieces.append(Piece("the final norm and head", "head", holders=held_by("the head", _layers(backbone, family.head))))
     return pieces
 
@@ -210,6 +218,13 @@ class PipelinedGenerator:
         # the ranks taking part in each decode step, in order (a *Seq2SeqLM's encoder runs once, in the prefill)
         self.chain = sorted({r for p, r in zip(self.pieces, self.ranks) if not p.kind.startswith("encoder")})
         self.mine = [piece for piece, rank in zip(self.pieces, self.ranks) if rank == engine.stage]
+        # T5's relative position bias: made by each stack's first layer, it travels from that layer's rank to the
+        # rank of the stack's last layer (the ranks from, up to: each rank in between sends it on)
+        self.bias_spans = {}
+        if getattr(family, "position_bias", False):
+            for kind in ("encoder_layer", "layer"):
+                ranks = [r for p, r in zip(self.pieces, self.ranks) if p.kind == kind]
+                self.bias_spans[kind] = (ranks[0], ranks[-1]) if ranks else (0, 0)
         self.num_groups = engine.num_stages
         jit = bool(getattr(task, "jit_compile", True)) and not task.run_eagerly  # (as keras_hub compiles generate)
         self.compiled = {}
@@ -222,11 +237,17 @@ class PipelinedGenerator:
             self.compiled[name] = fn if self.eager else tf.function(fn, jit_compile=self.jit, reduce_retracing=True)
         return self.compiled[name]
 
-    def _segment(self, x, caches, index, head: bool):
-        """This rank's decoder pieces on ``x`` (token ids on the rank of the embedding): ``(output, its caches)``.
+    def _sends_bias(self, kind: str, rank: int) -> bool:
+        """Whether ``rank``'s output of stack ``kind`` (``"encoder_layer"``, ``"layer"``) has a bias beside it."""
+        span = self.bias_spans.get(kind)
+        return span is not None and span[0] <= rank < span[1]
+
+    def _segment(self, x, bias, caches, index, head: bool):
+        """This rank's decoder pieces on ``x`` (token ids on the rank of the embedding): ``(output, bias, caches)``.
 
         ``caches``: its decoder layers' caches (a ``*Seq2SeqLM``'s: ``(self-attention
         caches, cross-attention caches, the encoder's output, its padding mask)``).
+        ``bias``: T5's position bias from the decoder's first layer (else None).
         """
         backbone, family = self.backbone, self.family
         if self.seq2seq:
@@ -244,17 +265,23 @@ class PipelinedGenerator:
             elif piece.kind == "layer":
                 layer, k = self.decoder_layers[piece.index], len(updated)
                 if self.seq2seq:
-                    x, cache, _ = family.run_layer(layer, x, encoded, padding_mask, own[k], cross[k], index, None)
+                    x, cache, _, bias = family.run_layer(
+                        layer, x, encoded, padding_mask, own[k], cross[k], index, None, bias
+                    )
                 else:
                     x, cache = family.run_layer(layer, x, own[k], index)
                 updated.append(cache)
+            elif piece.kind == "decoder_end":
+                x = family.decoder_end[piece.index][1](backbone, x, index)
             elif piece.kind == "head" and head:
                 x = family.run_head(backbone, x)
-        return x, ((updated, cross, encoded, padding_mask) if self.seq2seq else updated)
+        return x, bias, ((updated, cross, encoded, padding_mask) if self.seq2seq else updated)
 
-    def _encode_segment(self, encoded, x, encoder_ids, padding_mask, decoder_ids, own, cross):
+    def _encode_segment(self, encoded, encoder_bias, x, bias, encoder_ids, padding_mask, decoder_ids, own, cross):
         """A ``*Seq2SeqLM``'s prefill on this rank: its encoder pieces, then its decoder pieces over the decoder's
-        prompts, seeding both caches (``_build_cache``); ``(encoder output, decoder hidden, own, cross)``."""
+        prompts, seeding both caches (``_build_cache``); ``(encoder output, its bias, decoder hidden, its bias,
+        own, cross)`` (the biases T5's, else None). The decoder's final norm and head are not run: keras_hub's
+        prefill keeps their output for contrastive search alone, which the pipeline refuses."""
         backbone, family = self.backbone, self.family
         own_updated, cross_updated = [], []
         for piece in self.mine:
@@ -266,16 +293,20 @@ class PipelinedGenerator:
                 encoded = family.encoder_steps[piece.index][1](backbone, encoded, None)
             elif piece.kind == "encoder_layer":
                 layer = backbone.encoder_transformer_layers[piece.index]
-                encoded = family.run_encoder_layer(layer, encoded, padding_mask)
+                encoded, encoder_bias = family.run_encoder_layer(layer, encoded, padding_mask, encoder_bias)
+            elif piece.kind == "encoder_end":
+                encoded = family.encoder_end[piece.index][1](backbone, encoded, None)
             elif piece.kind == "embedding":
                 x = family.decoder_steps[piece.index][1](backbone, x, 0)
             elif piece.kind == "layer":
                 k = len(own_updated)
                 layer = self.decoder_layers[piece.index]
-                x, cache, cross_cache = family.run_layer(layer, x, encoded, padding_mask, own[k], cross[k], 0, 0)
+                x, cache, cross_cache, bias = family.run_layer(
+                    layer, x, encoded, padding_mask, own[k], cross[k], 0, 0, bias
+                )
                 own_updated.append(cache)
                 cross_updated.append(cross_cache)
-        return encoded, x, own_updated, cross_updated
+        return encoded, encoder_bias, x, bias, own_updated, cross_updated
 
     def _empty_caches(self, rows: int, length: int) -> list:
         heads, size = self.family.cache_heads(self.backbone)
@@ -416,10 +447,12 @@ class PipelinedGenerator:
         )
         comm.doing = "generating (decoding)"
         active, answers, step = list(range(len(bounds))), {}, 0
+        bias_shape = (self.backbone.num_heads, 1, prompt.shape[1]) if self.bias_spans else None
         while active:
             sampled = False
             for g in list(active):
                 a, b = bounds[g]
+                bias = None
                 if first:
                     if step == 0:
                         column, stopped = prompt[a:b, start - 1], False
@@ -441,9 +474,13 @@ class PipelinedGenerator:
                         if not last:
                             comm.send(x, following, TAG_GENERATION)
                         continue
-                y, caches[g] = segment(x, caches[g], np.int32(start + step - 1), last)
+                    if self._sends_bias("layer", previous):
+                        bias = comm.recv(previous, TAG_GENERATION, bias_shape, np.float32)
+                y, bias, caches[g] = segment(x, bias, caches[g], np.int32(start + step - 1), last)
                 if not last:
                     comm.send(np.asarray(y), following, TAG_GENERATION)
+                    if self._sends_bias("layer", me):
+                        comm.send(_exact_float32(bias), following, TAG_GENERATION)
                     continue
                 logits = np.asarray(y)[:, 0, :]
                 column = self._sample(sampler, draw, logits, offset + a, offset + b, batch, initial, step)
@@ -481,7 +518,7 @@ class PipelinedGenerator:
                 x = prompt[a:b]
             else:
                 x = comm.recv(previous, TAG_GENERATION, (prompt.shape[1], width), hidden_dtype)
-            y, group_caches = segment(x, self._empty_caches(b - a, prompt.shape[1]), 0, False)
+            y, _, group_caches = segment(x, None, self._empty_caches(b - a, prompt.shape[1]), 0, False)
             caches.append(group_caches)
             if following is not None:
                 comm.send(np.asarray(y), following, TAG_GENERATION)
@@ -497,20 +534,31 @@ class PipelinedGenerator:
         decoder_from = self.chain[0]  # (the rank of the decoder's token lookup: its output travels from there)
         encode = self._function("encode", self._encode_segment)
         lengths = (encoder_ids.shape[1], prompt.shape[1])
+        heads = self.backbone.num_heads
         caches = []
         for a, b in bounds:
-            encoded = x = None
+            encoded = x = encoder_bias = bias = None
             if previous is not None:
                 encoded = comm.recv(previous, TAG_GENERATION, (lengths[0], width), hidden_dtype)
+                if self._sends_bias("encoder_layer", previous):
+                    encoder_bias = comm.recv(previous, TAG_GENERATION, (heads, lengths[0], lengths[0]), np.float32)
                 if previous >= decoder_from:
                     x = comm.recv(previous, TAG_GENERATION, (lengths[1], width), hidden_dtype)
+                if self._sends_bias("layer", previous):
+                    bias = comm.recv(previous, TAG_GENERATION, (heads, lengths[1], lengths[1]), np.float32)
             own = self._empty_caches(b - a, lengths[1])
             cross = self._empty_caches(b - a, lengths[0])
-            encoded, x, own, cross = encode(encoded, x, encoder_ids[a:b], padding_mask[a:b], prompt[a:b], own, cross)
+            encoded, encoder_bias, x, bias, own, cross = encode(
+                encoded, encoder_bias, x, bias, encoder_ids[a:b], padding_mask[a:b], prompt[a:b], own, cross
+            )
             if following is not None:
                 comm.send(np.asarray(encoded), following, TAG_GENERATION)
+                if self._sends_bias("encoder_layer", me):
+                    comm.send(_exact_float32(encoder_bias), following, TAG_GENERATION)
                 if me >= decoder_from:
                     comm.send(np.asarray(x), following, TAG_GENERATION)
+                if self._sends_bias("layer", me):
+                    comm.send(_exact_float32(bias), following, TAG_GENERATION)
             caches.append((own, cross, encoded, padding_mask[a:b]) if me >= decoder_from else None)
         return caches
 
@@ -522,6 +570,12 @@ class PipelinedGenerator:
         whole = np.zeros((batch,) + logits.shape[1:], logits.dtype)
         whole[a:b] = logits
         return np.asarray(draw(whole))[a:b]
+
+
+def _exact_float32(bias) -> np.ndarray:
+    """T5's position bias as float32 (exact from any float16/bfloat16/float32 it was made in: the layers that take
+    it cast it to their scores' dtype before any use)."""
+    return np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(bias, "float32")))
 
 
 def _listed(stop_token_ids):

@@ -25,9 +25,9 @@ backbone quantized to int8 (``backbone.quantize("int8")``) before the pipeline i
 made. ``replicas``: ``num_stages`` half the ranks (two replicas: on two ranks, one
 stage each), each replica generating its share of the batch, every rank returning the unsplit model's
 tokens: greedy, with stop tokens that end one replica's rows before the other's, and seeded top-k; prompts
-that differ between the replicas are refused on every rank. ``seq2seq``: BART (encoder once, then the decoder
-token by token with its self- and cross-attention caches) greedy, with a stop token and seeded top-k; T5's task
-refused by name.
+that differ between the replicas are refused on every rank. ``seq2seq``: BART and T5 (encoder once, then the decoder
+token by token with its self- and cross-attention caches; T5's relative position bias travelling between the ranks)
+greedy, with a stop token and seeded top-k; T5 with its head untied too.
 """
 
 import sys
@@ -237,8 +237,7 @@ def replicas(case):
 
 
 def seq2seq(case):
-    """BART (encoder once, decoder by token): greedy, a stop token, seeded top-k, against the unsplit model; T5's
-    task is refused by name on every rank."""
+    """BART and T5 (encoder once, decoder by token): greedy, a stop token, seeded top-k, against the unsplit model."""
     encoder_lengths = np.array([5, 9, 3, 10, 7, 2, 6])
     encoder_mask = np.arange(10)[None, :] < encoder_lengths[:, None]
     encoder_ids = np.where(encoder_mask, rng_bart.integers(1, VOCAB, size=encoder_mask.shape), 0).astype("int32")
@@ -263,27 +262,52 @@ def seq2seq(case):
         )
         return keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
 
-    reference, model = pair(bart)
-    expected = reference.generate(bart_inputs(), stop_token_ids=None)
-    same(model.generate(bart_inputs(), stop_token_ids=None), expected, f"{case} greedy")
-    stop = [int(expected["decoder_token_ids"][0, prompt_lengths[0] + 1])]
-    expected = reference.generate(bart_inputs(), stop_token_ids=stop)
-    same(model.generate(bart_inputs(), stop_token_ids=stop), expected, f"{case} stop")
-    reference, model = pair(bart, lambda: keras_hub.samplers.TopKSampler(k=5, seed=7))
-    for call in range(2):
+    def t5(tied=True):
+        backbone = keras_hub.models.T5Backbone(
+            vocabulary_size=VOCAB,
+            num_layers=LAYERS,
+            num_heads=2,
+            hidden_dim=DIM,
+            intermediate_dim=32,
+            dropout=0.0,
+            tie_embedding_weights=tied,
+        )
+        return keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
+
+    def t5_untied():
+        return t5(tied=False)
+
+    def strong_bias(task):
+        """Each stack's relative position bias made large (as trained T5's are, next to its tiny initial one), so
+        that a layer given none in its place (the bias not travelling between the ranks) changes the tokens."""
+        if isinstance(task, keras_hub.models.T5Seq2SeqLM):
+            backbone = task.backbone
+            for k, layer in enumerate([backbone.encoder_transformer_layers[0], backbone.decoder_transformer_layers[0]]):
+                table = layer.self_attention.relative_attention_bias
+                table.assign(np.random.default_rng(k).normal(0.0, 4.0, table.shape).astype(table.dtype))
+
+    # (on two ranks the balanced cut puts each stack whole on one rank: T5's cut inside its decoder, so that the
+    # decoder's bias travels, in the prefill and at each step; on three and four ranks both stacks' biases travel)
+    inside = dict(split_before=["transformer_decoder_layer_1"]) if SIZE == 2 else {}
+    for make in (bart, t5):
+        name = make.__name__
+        cut = inside if make is t5 else {}
+        reference, model = pair(make, prepare=strong_bias, **cut)
         expected = reference.generate(bart_inputs(), stop_token_ids=None)
-        same(model.generate(bart_inputs(), stop_token_ids=None, num_groups=2), expected, f"{case} top-k {call}")
-    keras.utils.set_random_seed(5)
-    backbone = keras_hub.models.T5Backbone(
-        vocabulary_size=VOCAB, num_layers=LAYERS, num_heads=2, hidden_dim=DIM, intermediate_dim=32, dropout=0.0
-    )
-    model = PipelineModel.from_model(keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None))
-    try:
-        model.generate(bart_inputs(), stop_token_ids=None)
-    except PipelineConfigError as error:
-        assert "this pipeline's model is a T5Seq2SeqLM" in str(error), error
-    else:
-        raise AssertionError("T5 not refused")
+        same(model.generate(bart_inputs(), stop_token_ids=None), expected, f"{case} {name} greedy")
+        stop = [int(expected["decoder_token_ids"][0, prompt_lengths[0] + 1])]
+        expected = reference.generate(bart_inputs(), stop_token_ids=stop)
+        same(model.generate(bart_inputs(), stop_token_ids=stop), expected, f"{case} {name} stop")
+        assert not expected["decoder_padding_mask"][0].all(), expected  # (row 0 did stop)
+        reference, model = pair(make, lambda: keras_hub.samplers.TopKSampler(k=5, seed=7), strong_bias, **cut)
+        for call in range(2):
+            expected = reference.generate(bart_inputs(), stop_token_ids=None)
+            actual = model.generate(bart_inputs(), stop_token_ids=None, num_groups=2)
+            same(actual, expected, f"{case} {name} top-k {call}")
+    # (T5's head without the tied embedding's scaling)
+    reference, model = pair(t5_untied, prepare=strong_bias, **inside)
+    expected = reference.generate(bart_inputs(), stop_token_ids=None)
+    same(model.generate(bart_inputs(), stop_token_ids=None), expected, f"{case} t5 untied greedy")
 
 
 rng_bart = np.random.default_rng(4)
