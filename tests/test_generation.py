@@ -29,8 +29,9 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
         place(pieces({0, 1}, {0}, {1}, {0}))
 
 
-# One launch on two ranks. In the slow tier: Mistral and Qwen on two ranks (they call their pieces as Llama does;
-# the default launch runs GPT-2, Llama, Gemma, Phi-3 and OPT, each way a family's pieces are called), and one launch
+# One launch on two ranks. In the slow tier: Mistral, Qwen and keras_hub's other families on two ranks (they call
+# their pieces as Llama does, or as one of the default launch's; it runs GPT-2, Llama, Gemma, Phi-3, OPT and Bloom,
+# each way a family's pieces are called), and one launch
 # on four (seeded sampling, 3 groups on 4 stages: the two-rank launch samples seeded too, one group and two; two
 # replicas of two stages: the two-rank launch runs two of one stage; BART's embeddings and encoder over more ranks
 # than the decoder; T5's position bias travelling inside both stacks, where two ranks cut inside its decoder only).
@@ -38,7 +39,7 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
     "nprocs, cases",
     [
         (2, ["each_call", "refused", "sampling", "lora", "callback", "dataset", "int8", "replicas", "seq2seq"]),
-        pytest.param(2, ["like_llama"], marks=pytest.mark.slow),
+        pytest.param(2, ["like_llama", "more_families"], marks=pytest.mark.slow),
         pytest.param(4, ["sampling", "replicas", "seq2seq"], marks=pytest.mark.slow),
     ],
     ids=lambda value: str(value) if isinstance(value, int) else "-".join(value),

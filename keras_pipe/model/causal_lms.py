@@ -38,6 +38,10 @@ class Family:
         cache_keywords: the decoder layer's keyword arguments for its cache and its update index.
         cache_heads: ``backbone -> (key/value heads, head size)``: one layer's cache is
             ``(batch, 2, length, heads, head size)``, as the family's ``_build_cache`` makes it.
+        head: the final norm's attribute and the embedding's.
+        tensor_index: whether ``_build_cache`` gives the prefill's cache index
+            as a tensor (SmolLM3's layers take their cache in ``**kwargs``,
+            where Keras refuses a Python int beside a tensor) or an int.
     """
 
     embedding: tuple[str, ...]
@@ -45,10 +49,11 @@ class Family:
     cache_keywords: tuple[str, str]
     cache_heads: Callable
     head: tuple[str, ...] = ("layer_norm", "token_embedding")  # final norm, then the (reversible) embedding
+    tensor_index: bool = False  # the prefill's cache index a tensor, as the family's _build_cache passes it
 
     def run_head(self, backbone, x):
-        """The final norm and the logits, as ``call_with_cache`` ends."""
-        x = backbone.layer_norm(x)
+        """The final norm (``head[0]``) and the logits, as ``call_with_cache`` ends."""
+        x = getattr(backbone, self.head[0])(x)
         return backbone.token_embedding(x, reverse=True)
 
     def run_layer(self, layer, x, cache, index):
@@ -73,6 +78,14 @@ def _gemma(backbone, token_ids, index):
     return x * ops.cast(ops.sqrt(backbone.hidden_dim), x.dtype)
 
 
+def _bloom(backbone, token_ids, index):
+    return backbone.embeddings_layer_norm(backbone.token_embedding(token_ids))
+
+
+def _neox(backbone, token_ids, index):
+    return backbone.embeddings_dropout(backbone.token_embedding(token_ids))
+
+
 def _opt(backbone, token_ids, index):
     return backbone.embeddings(token_ids, start_index=index)
 
@@ -83,6 +96,16 @@ def _query_heads(backbone):
 
 def _all_heads(backbone):
     return backbone.num_heads, backbone.hidden_dim // backbone.num_heads
+
+
+def _head_dim(backbone):
+    return backbone.num_key_value_heads, backbone.head_dim
+
+
+def _like_llama(cache_heads=_query_heads, head=("layer_norm", "token_embedding"), tensor_index=False):
+    """A family whose ``call_with_cache`` is Llama's: the token embedding, each layer with its
+    ``self_attention_cache``, the final norm (``head[0]``) and the reversed embedding."""
+    return Family(("token_embedding",), _tokens, _SELF_ATTENTION, cache_heads, head, tensor_index)
 
 
 _SELF_ATTENTION = ("self_attention_cache", "self_attention_cache_update_index")
@@ -105,6 +128,27 @@ FAMILIES: dict[str, Family] = {
         ("token_embedding",), _tokens, ("attention_cache", "attention_cache_update_index"), _query_heads
     ),
     "OPTCausalLM": Family(("embeddings",), _opt, _SELF_ATTENTION, _all_heads),
+    # (each checked as the families above: tests/mpi_scripts/generation.py, case "more_families")
+    "Llama3CausalLM": _like_llama(),
+    "MixtralCausalLM": _like_llama(),
+    "QwenMoeCausalLM": _like_llama(),
+    "Qwen3CausalLM": _like_llama(_head_dim),
+    "Qwen3MoeCausalLM": _like_llama(_head_dim),
+    "GptOssCausalLM": _like_llama(lambda b: (b.num_key_value_heads, b.head_dim or b.hidden_dim // b.num_query_heads)),
+    "SmolLM3CausalLM": _like_llama(
+        lambda b: (b.num_key_value_heads, b.hidden_dim // b.num_attention_heads), ("norm", "token_embedding"), True
+    ),
+    "FalconCausalLM": Family(
+        ("token_embedding",),
+        _tokens,
+        ("attention_cache", "attention_cache_update_index"),
+        lambda b: (b.num_attention_heads, b.hidden_dim // b.num_attention_heads),
+        ("final_layernorm", "token_embedding"),
+    ),
+    "BloomCausalLM": Family(
+        ("token_embedding", "embeddings_layer_norm"), _bloom, ("cache", "cache_update_index"), _all_heads
+    ),
+    "GPTNeoXCausalLM": Family(("token_embedding",), _neox, _SELF_ATTENTION, _all_heads),
 }
 
 

@@ -518,7 +518,8 @@ class PipelinedGenerator:
                 x = prompt[a:b]
             else:
                 x = comm.recv(previous, TAG_GENERATION, (prompt.shape[1], width), hidden_dtype)
-            y, _, group_caches = segment(x, None, self._empty_caches(b - a, prompt.shape[1]), 0, False)
+            index = np.int32(0) if self.family.tensor_index else 0  # (as the family's _build_cache gives it)
+            y, _, group_caches = segment(x, None, self._empty_caches(b - a, prompt.shape[1]), index, False)
             caches.append(group_caches)
             if following is not None:
                 comm.send(np.asarray(y), following, TAG_GENERATION)

@@ -8,7 +8,8 @@ comparison is of keras_hub's whole output (``token_ids`` and
 ``padding_mask``), with prompts of different lengths in one batch. Cases:
 
 ``families``: greedy decoding of GPT-2, Llama, Mistral and Gemma
-(``more_families``: Qwen, Phi-3 and OPT; ``each_call``: GPT-2, Llama, Gemma, Phi-3 and OPT, each way a family's
+(``more_families``: Falcon, GPT-NeoX, Llama 3, Mixtral, Qwen3, Qwen-MoE, Qwen3-MoE, GPT-OSS and SmolLM3;
+``each_call``: GPT-2, Llama, Gemma, Phi-3, OPT and Bloom, each way a family's
 pieces are called; ``like_llama``: Mistral and Qwen) with the default number of groups (what differs between families is
 how their pieces are called; the loop is the same); then GPT-2 with one
 group, and Llama with a stop token taken from its greedy output (row 0
@@ -17,7 +18,7 @@ seeded top-k sampler on GPT-2, twice in a row (the seed generator's state
 carries over as in the unsplit model), and a seeded top-p one on Llama. ``lora``: a Llama backbone with LoRA
 enabled, its LoRA kernels non-zero. ``callback``: ``generate()`` from a
 callback's ``on_epoch_end`` during ``fit``, against the unsplit model given
-the pipeline's trained weights. ``refused``: a family not checked, a
+the pipeline's trained weights. ``refused``: a family not checked (a subclass of a checked one), a
 placement that goes back to an earlier rank (ZB-V) and a beam sampler, each
 refused on every rank. ``dataset``: prompts given as a batched ``tf.data.Dataset``
 (keras_hub generates batch by batch and joins the outputs). ``int8``: a Llama
@@ -65,6 +66,34 @@ FAMILIES = {
     "qwen": ("Qwen", GROUPED),
     "phi3": ("Phi3", GROUPED),
     "opt": ("OPT", dict(num_heads=2, dropout=0.0, max_sequence_length=LENGTH)),
+    "bloom": ("Bloom", dict(num_heads=2)),
+    "falcon": ("Falcon", dict(num_attention_heads=2)),
+    "gpt_neox": ("GPTNeoX", dict(num_heads=2, max_sequence_length=LENGTH)),
+    "llama3": ("Llama3", GROUPED),
+    "mixtral": ("Mixtral", dict(GROUPED, num_experts=4, top_k=2, sliding_window=LENGTH)),
+    "qwen3": ("Qwen3", dict(GROUPED, head_dim=8)),
+    "qwen_moe": (
+        "QwenMoe",
+        dict(GROUPED, moe_intermediate_dim=16, shared_expert_intermediate_dim=16, num_experts=4, top_k=2),
+    ),
+    "qwen3_moe": ("Qwen3Moe", dict(GROUPED, head_dim=8, moe_intermediate_dim=16, num_experts=4, top_k=2)),
+    "gpt_oss": ("GptOss", dict(GROUPED, num_experts=4, top_k=2, head_dim=8, sliding_window=LENGTH)),
+    "smollm3": (
+        "SmolLM3",
+        dict(
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            attention_bias=False,
+            attention_dropout=0.0,
+            rope_layer_enabled_list=([True, False] * LAYERS)[:LAYERS],
+            layer_types=["attention"] * LAYERS,
+            mlp_bias=False,
+            layer_norm_epsilon=1e-6,
+            max_position_embeddings=LENGTH,
+            rope_theta=10000.0,
+            partial_rotary_factor=1.0,
+        ),
+    ),
 }
 
 
@@ -80,7 +109,7 @@ def family(name):
     return make
 
 
-gpt2, llama, mistral, gemma, qwen, phi3, opt = (family(name) for name in FAMILIES)
+gpt2, llama, mistral, gemma, qwen, phi3, opt, bloom, *others = (family(name) for name in FAMILIES)
 
 
 def pair(make, sampler="greedy", prepare=None, **pipeline):
@@ -176,12 +205,13 @@ def refused(case):
         else:
             raise AssertionError(f"rank {RANK}: not refused: {words}")
 
+    class OwnLlama(keras_hub.models.LlamaCausalLM):  # (a subclass may call its pieces otherwise: not checked)
+        pass
+
     keras.utils.set_random_seed(5)
-    backbone = keras_hub.models.BloomBackbone(
-        vocabulary_size=VOCAB, num_layers=LAYERS, num_heads=2, hidden_dim=DIM, intermediate_dim=32
-    )
-    model = PipelineModel.from_model(keras_hub.models.BloomCausalLM(backbone=backbone, preprocessor=None))
-    refuses(lambda: model.generate(inputs(), stop_token_ids=None), "this pipeline's model is a BloomCausalLM")
+    backbone = keras_hub.models.LlamaBackbone(**COMMON, **GROUPED)
+    model = PipelineModel.from_model(OwnLlama(backbone=backbone, preprocessor=None))
+    refuses(lambda: model.generate(inputs(), stop_token_ids=None), "this pipeline's model is a OwnLlama")
     reference, model = pair(gpt2, lambda: keras_hub.samplers.BeamSampler(num_beams=2))
     refuses(lambda: model.generate(inputs(), stop_token_ids=None), "the task's sampler is a BeamSampler")
     if SIZE > 1:
@@ -315,10 +345,12 @@ rng_bart = np.random.default_rng(4)
 CASES = {
     "seq2seq": seq2seq,
     "families": families,
-    "more_families": lambda case: families(case, (qwen, phi3, opt)),
+    # (keras_hub's other families with a call_with_cache of these shapes: Falcon's and GPT-NeoX's own cache keyword
+    # or embedding, the rest called as Llama is)
+    "more_families": lambda case: families(case, others),
     # (each way a family's pieces are called: GPT-2's, Llama's, Gemma's embedding and cache, Phi-3's cache, OPT's
     # embedding; Mistral and Qwen call theirs as Llama does)
-    "each_call": lambda case: families(case, (gpt2, llama, gemma, phi3, opt)),
+    "each_call": lambda case: families(case, (gpt2, llama, gemma, phi3, opt, bloom)),
     "like_llama": lambda case: families(case, (mistral, qwen)),
     "sampling": sampling,
     "lora": lora,
