@@ -3,20 +3,35 @@
     python benchmarks/generation.py                              # Llama, 2 and 4 ranks, 1 and P groups
     python benchmarks/generation.py --ranks 2 --layers 2 --hidden 16 --batch 4 --length 8 --repeats 1   # tiny
     python benchmarks/generation.py --ranks 2 4 --replicas 1 2   # also two replicas of half as many stages
+    python benchmarks/generation.py --ranks 2 --threads 0 1      # each process on all cores, then on one
+    python benchmarks/generation.py --model t5 --ranks 2 4       # T5 (encoder once, decoder by token)
 
-The model is a keras_hub ``LlamaCausalLM`` built from constructor arguments
+The model is a keras_hub ``LlamaCausalLM`` (or, ``--model t5``, a
+``T5Seq2SeqLM`` with ``--layers`` layers in each stack, its encoder given
+prompts of 8 to ``--length`` tokens) built from constructor arguments
 (``--layers`` decoder layers of width ``--hidden``, ``--vocabulary`` tokens;
 nothing downloaded), greedy, ``preprocessor=None``. The prompts are
 ``--batch`` rows of 4 to 8 tokens padded to ``--length``; with
 ``stop_token_ids=None`` every row decodes to ``--length``, so the tokens
-generated are ``batch x (length - shortest prompt)``. Each job makes its
+generated are ``batch x (length - shortest prompt)``. The pipeline's model
+is made inside ``keras_pipe.unallocated()``: no rank ever holds more than
+its own stage's weights. ``--threads N``: each
+process's TensorFlow on N threads (0: its default, every core), for every
+row; several values make a table each. Each job makes its
 model, calls ``generate()`` once to trace its functions, then times
 ``--repeats`` calls (prefill included) and reads each rank's peak resident
-memory (``VmHWM`` of ``/proc/self/status``) and its growth over the resident
-memory before the first call. Rows: the unsplit model in one process; the
+memory (``VmHWM`` of ``/proc/self/status``, reset before each row) and that
+peak over the process's resident size before its model was made (TensorFlow,
+Keras and keras_hub imported): the model's weights, programs and generation.
+Rows: the unsplit model in one process; the
 pipeline on each rank count with one group and with P groups (``num_groups``),
-for each number of ``--replicas`` (each replica generating its share of the batch).
+for each number of ``--replicas`` (each replica generating its share of the batch),
+and P groups of the one group's size (``P x batch`` prompts, the pipeline's fill
+alone: the same work a group, P times the groups).
 The goal (issue 61): with P groups, tokens/s at least 0.8 x P x that of one group.
+Each rank's is also printed against its share of the unsplit model's
+(``share``: the rank's over the unsplit process's / P), and the whole
+key/value cache's size (every layer, every row) for scale.
 """
 
 from __future__ import annotations
@@ -37,11 +52,31 @@ def _status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
 
 
+def _threads(args):
+    import tensorflow as tf
+
+    if args.threads_now:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads_now)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads_now)
+
+
 def _model(args):
     import keras
     import keras_hub
 
     keras.utils.set_random_seed(1)
+    if args.model == "t5":
+        backbone = keras_hub.models.T5Backbone(
+            vocabulary_size=args.vocabulary,
+            num_layers=args.layers,
+            num_heads=8,
+            hidden_dim=args.hidden,
+            intermediate_dim=2 * args.hidden,
+            dropout=0.0,
+        )
+        task = keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
+        task.compile(sampler="greedy")
+        return task
     backbone = keras_hub.models.LlamaBackbone(
         vocabulary_size=args.vocabulary,
         num_layers=args.layers,
@@ -55,50 +90,75 @@ def _model(args):
     return task
 
 
-def _prompts(args):
+def _prompts(args, batch):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    lengths = rng.integers(4, 9, size=args.batch)
-    ids = rng.integers(1, args.vocabulary, size=(args.batch, args.length)).astype("int32")
+    lengths = rng.integers(4, 9, size=batch)
+    ids = rng.integers(1, args.vocabulary, size=(batch, args.length)).astype("int32")
     mask = np.arange(args.length)[None, :] < lengths[:, None]
     ids[~mask] = 0
-    return {"token_ids": ids, "padding_mask": mask}, int(args.batch * (args.length - lengths.min()))
+    tokens = int(batch * (args.length - lengths.min()))
+    if args.model != "t5":
+        return {"token_ids": ids, "padding_mask": mask}, tokens
+    encoder_mask = np.arange(args.length)[None, :] < rng.integers(8, args.length + 1, size=batch)[:, None]
+    encoder_ids = np.where(encoder_mask, rng.integers(1, args.vocabulary, size=encoder_mask.shape), 0).astype("int32")
+    prompts = {"decoder_token_ids": ids, "decoder_padding_mask": mask}
+    return dict(prompts, encoder_token_ids=encoder_ids, encoder_padding_mask=encoder_mask), tokens
 
 
-def _timed(generate, args):
-    """``generate()`` once (tracing), then ``--repeats`` times: (seconds a call, peak bytes, growth bytes)."""
-    before = _status("VmRSS")
+def _timed(generate, args, base):
+    """``generate()`` once (tracing, compiling), then ``--repeats`` times: (seconds a call, peak bytes, its bytes).
+
+    The peak is this row's (reset before it: ``/proc/self/clear_refs``);
+    "its bytes" are the peak over ``base``, the resident size of the process
+    with TensorFlow, Keras and keras_hub imported and no model made: the
+    model's weights, the programs and what generating needs.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # (the peak resident size back to the present one)
     generate()
     began = time.perf_counter()
     for _ in range(args.repeats):
         generate()
     seconds = (time.perf_counter() - began) / args.repeats
     peak = _status("VmHWM")
-    return seconds, peak, peak - before
+    return seconds, peak, peak - base
 
 
 def worker(args) -> None:
     """One job: the unsplit model (``--groups`` empty) or the pipeline with each number of groups; prints JSON."""
-    x, tokens = _prompts(args)
+    _threads(args)
+    import keras_hub  # noqa: F401  (imported before the resident size without a model is read)
+
+    from keras_pipe import PipelineModel
+
+    base = _status("VmRSS")
+    x, tokens = _prompts(args, args.batch)
     if args.worker == "unsplit":
         task = _model(args)
-        seconds, peak, growth = _timed(lambda: task.generate(dict(x), stop_token_ids=None), args)
+        seconds, peak, growth = _timed(lambda: task.generate(dict(x), stop_token_ids=None), args, base)
         print("RESULT " + json.dumps([dict(groups=0, seconds=seconds, tokens=tokens, peaks=[peak], growths=[growth])]))
         return
     from mpi4py import MPI
 
-    from keras_pipe import PipelineModel
+    import keras_pipe
 
-    model = PipelineModel.from_model(_model(args), num_stages=MPI.COMM_WORLD.Get_size() // args.replicas_now)
+    with keras_pipe.unallocated():  # (each rank allocates its own stage's weights only, as a large model must)
+        task = _model(args)
+    model = PipelineModel.from_model(task, num_stages=MPI.COMM_WORLD.Get_size() // args.replicas_now)
     rows = []
-    for groups in sorted({1, model.num_stages}):
+    runs = [(groups, x, tokens) for groups in sorted({1, model.num_stages})]
+    if model.num_stages > 1:  # (P groups each of the one group's size)
+        runs.append((model.num_stages, *_prompts(args, args.batch * model.num_stages)))
+    for groups, prompts, count in runs:
         seconds, peak, growth = _timed(
-            lambda g=groups: model.generate(dict(x), stop_token_ids=None, num_groups=g), args
+            lambda g=groups, p=prompts: model.generate(dict(p), stop_token_ids=None, num_groups=g), args, base
         )
         peaks = MPI.COMM_WORLD.allgather(peak)
         growths = MPI.COMM_WORLD.allgather(growth)
-        rows.append(dict(groups=groups, seconds=seconds, tokens=tokens, peaks=peaks, growths=growths))
+        size = len(next(iter(prompts.values())))
+        rows.append(dict(groups=groups, seconds=seconds, tokens=count, peaks=peaks, growths=growths, rows=size))
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("RESULT " + json.dumps(rows))
 
@@ -121,6 +181,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=["llama", "t5"], default="llama")
+    parser.add_argument("--threads", type=int, nargs="+", default=[0], help="each process's threads (0: default)")
+    parser.add_argument("--threads-now", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument(
         "--replicas", type=int, nargs="+", default=[1], help="replicas of the pipeline (each rank count)"
@@ -131,7 +194,17 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    shape = [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "vocabulary", "batch", "length", "repeats")]
+    names = ("layers", "hidden", "vocabulary", "batch", "length", "repeats", "model")
+    shape = [f"--{k}={getattr(args, k)}" for k in names]
+    for threads in args.threads:
+        _table(args, [*shape, f"--threads-now={threads}"], threads)
+
+
+def _share(growth, unsplit, ranks) -> str:
+    return f"{growth / (unsplit / ranks):.2f}" if unsplit > MIB else "-"
+
+
+def _table(args, shape, threads) -> None:
     here = os.path.abspath(__file__)
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     table = [("unsplit", 1, row) for row in _run([sys.executable, here, "--worker=unsplit", *shape], args.timeout)]
@@ -143,16 +216,28 @@ def main() -> None:
             command.append(f"--replicas-now={replicas}")
             kind = "pipeline" if replicas == 1 else f"{ranks // replicas}x{replicas}"
             table += [(kind, ranks, row) for row in _run(command, args.timeout)]
-    print(
-        f"Llama {args.layers} layers x {args.hidden}, vocabulary {args.vocabulary}, batch {args.batch}, length "
-        f"{args.length}; {args.repeats} timed calls"
+    name = "T5 (each stack)" if args.model == "t5" else "Llama"
+    heads, size = (
+        (8, args.hidden // 8) if args.model == "t5" else (2, args.hidden // (4 if args.hidden % 4 == 0 else 2))
     )
-    print(f"{'model':9} {'ranks':>5} {'groups':>6} {'tokens/s':>9}  peak MiB per rank (growth)")
-    print("(a model 'SxR': R replicas of S stages, each generating its share of the batch)")
+    caches = 2 if args.model == "t5" else 1  # (T5's decoder layers keep a self- and a cross-attention cache)
+    cache = caches * args.layers * args.batch * 2 * args.length * heads * size * 4
+    print(
+        f"\n{name} {args.layers} layers x {args.hidden}, vocabulary {args.vocabulary}, batch {args.batch}, length "
+        f"{args.length}; {args.repeats} timed calls; threads a process: {threads or 'default (every core)'}; "
+        f"the whole key/value cache of {args.batch} rows: {cache / MIB:.1f} MiB"
+    )
+    print(f"{'model':9} {'ranks':>5} {'groups':>6} {'rows':>5} {'tokens/s':>9}  peak MiB per rank (model, share)")
+    print("(a model 'SxR': R replicas of S stages, each generating its share of the batch; model: the peak over the")
+    print(" process before its model was made; share: that over the unsplit process's / ranks)")
+    unsplit = table[0][2]["growths"][0]
     for kind, ranks, row in table:
-        memory = "  ".join(f"{p / MIB:.0f} ({g / MIB:+.0f})" for p, g in zip(row["peaks"], row["growths"]))
+        memory = "  ".join(
+            f"{p / MIB:.0f} ({g / MIB:+.0f}, {_share(g, unsplit, ranks)})" for p, g in zip(row["peaks"], row["growths"])
+        )
         groups = "-" if kind == "unsplit" else row["groups"]
-        print(f"{kind:9} {ranks:>5} {groups:>6} {row['tokens'] / row['seconds']:>9.1f}  {memory}")
+        rows = row.get("rows", args.batch)
+        print(f"{kind:9} {ranks:>5} {groups:>6} {rows:>5} {row['tokens'] / row['seconds']:>9.1f}  {memory}")
 
 
 if __name__ == "__main__":
