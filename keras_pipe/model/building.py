@@ -296,7 +296,10 @@ class ModelBuilder:
         """After ``build_pipeline(release=False)`` of ``model``: rank 0's weights everywhere, then each rank frees
         the rest."""
         engine = self.engine
-        if engine.world.size > 1 and all(not compat.unallocated(v) for v in model.weights):
+        whole = all(not compat.unallocated(v) for v in model.weights)
+        # (decided together: made inside unallocated(), a rank whose stage holds every weight, the last one with a
+        # tied embedding over small layers, has all of them allocated while the others do not)
+        if engine.world.size > 1 and all(engine.world.allgather_json(whole)):
             for variable, _, here in _weights.ordered(engine):
                 if engine.world.rank == 0:
                     value = np.array(variable.numpy())

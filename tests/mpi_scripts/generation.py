@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 from common import RANK, SIZE
 
+import keras_pipe
 from keras_pipe import PipelineModel
 from keras_pipe.errors import PipelineConfigError
 
@@ -338,6 +339,25 @@ def seq2seq(case):
     reference, model = pair(t5_untied, prepare=strong_bias, **inside)
     expected = reference.generate(bart_inputs(), stop_token_ids=None)
     same(model.generate(bart_inputs(), stop_token_ids=None), expected, f"{case} t5 untied greedy")
+
+    # T5 made inside unallocated(), its vocabulary wide and its layers small: the balanced cut gives the last rank
+    # every weight (the token embedding tied to the head) and the first the embedding alone, so one rank has all
+    # its weights allocated and the others not; the ranks must still take one path (they once waited on each other)
+    def t5_wide():
+        backbone = keras_hub.models.T5Backbone(
+            vocabulary_size=4000, num_layers=LAYERS, num_heads=2, hidden_dim=DIM, intermediate_dim=32, dropout=0.0
+        )
+        task = keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
+        task.compile(sampler="greedy")
+        return task
+
+    keras.utils.set_random_seed(5)
+    expected = t5_wide().generate(bart_inputs(), stop_token_ids=None)
+    keras.utils.set_random_seed(5)
+    with keras_pipe.unallocated():
+        wide = t5_wide()
+    model = PipelineModel.from_model(wide)
+    same(model.generate(bart_inputs(), stop_token_ids=None), expected, f"{case} t5 unallocated")
 
 
 rng_bart = np.random.default_rng(4)
