@@ -248,25 +248,15 @@ def _bart_positions(side):
     return positions
 
 
-def _bart_norm(side):
-    def normed(backbone, x, index):
-        return getattr(backbone, f"{side}_embeddings_dropout")(getattr(backbone, f"{side}_embeddings_layer_norm")(x))
+def _applied(*names):
+    """A step calling the backbone's layers of these names in turn (a norm, then its dropout)."""
 
-    return normed
+    def step(backbone, x, index):
+        for name in names:
+            x = getattr(backbone, name)(x)
+        return x
 
-
-def _t5_dropout(side):
-    def dropped(backbone, x, index):
-        return getattr(backbone, f"{side}_embedding_dropout")(x)
-
-    return dropped
-
-
-def _t5_norm(side):
-    def normed(backbone, x, index):
-        return getattr(backbone, f"{side}_dropout")(getattr(backbone, f"{side}_layer_norm")(x))
-
-    return normed
+    return step
 
 
 def _t5_heads(backbone):
@@ -277,22 +267,22 @@ SEQ2SEQ_FAMILIES: dict[str, Seq2SeqFamily] = {
     "BartSeq2SeqLM": Seq2SeqFamily(
         encoder_steps=(
             ("encoder_position_embedding", _bart_positions("encoder")),
-            ("encoder_embeddings_layer_norm", _bart_norm("encoder")),
+            ("encoder_embeddings_layer_norm", _applied("encoder_embeddings_layer_norm", "encoder_embeddings_dropout")),
         ),
         decoder_steps=(
             ("decoder_position_embedding", _bart_positions("decoder")),
-            ("decoder_embeddings_layer_norm", _bart_norm("decoder")),
+            ("decoder_embeddings_layer_norm", _applied("decoder_embeddings_layer_norm", "decoder_embeddings_dropout")),
         ),
         head=("token_embedding",),
         cache_heads=_all_heads,
     ),
     "T5Seq2SeqLM": T5Family(
-        encoder_steps=(("encoder_embedding_dropout", _t5_dropout("encoder")),),
-        decoder_steps=(("decoder_embedding_dropout", _t5_dropout("decoder")),),
+        encoder_steps=(("encoder_embedding_dropout", _applied("encoder_embedding_dropout")),),
+        decoder_steps=(("decoder_embedding_dropout", _applied("decoder_embedding_dropout")),),
         head=("token_embedding",),
         cache_heads=_t5_heads,
-        encoder_end=(("encoder_layer_norm", _t5_norm("encoder")),),
-        decoder_end=(("decoder_layer_norm", _t5_norm("decoder")),),
+        encoder_end=(("encoder_layer_norm", _applied("encoder_layer_norm", "encoder_dropout")),),
+        decoder_end=(("decoder_layer_norm", _applied("decoder_layer_norm", "decoder_dropout")),),
     ),
 }
 

@@ -281,28 +281,14 @@ def seq2seq(case):
             "decoder_padding_mask": prompt_mask.copy(),
         }
 
+    both = dict(num_layers=LAYERS, num_heads=2, hidden_dim=DIM, intermediate_dim=32, dropout=0.0)
+
     def bart():
-        backbone = keras_hub.models.BartBackbone(
-            vocabulary_size=VOCAB,
-            num_layers=LAYERS,
-            num_heads=2,
-            hidden_dim=DIM,
-            intermediate_dim=32,
-            dropout=0.0,
-            max_sequence_length=LENGTH,
-        )
+        backbone = keras_hub.models.BartBackbone(vocabulary_size=VOCAB, max_sequence_length=LENGTH, **both)
         return keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
 
-    def t5(tied=True):
-        backbone = keras_hub.models.T5Backbone(
-            vocabulary_size=VOCAB,
-            num_layers=LAYERS,
-            num_heads=2,
-            hidden_dim=DIM,
-            intermediate_dim=32,
-            dropout=0.0,
-            tie_embedding_weights=tied,
-        )
+    def t5(tied=True, vocabulary=VOCAB):
+        backbone = keras_hub.models.T5Backbone(vocabulary_size=vocabulary, tie_embedding_weights=tied, **both)
         return keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
 
     def t5_untied():
@@ -344,10 +330,7 @@ def seq2seq(case):
     # every weight (the token embedding tied to the head) and the first the embedding alone, so one rank has all
     # its weights allocated and the others not; the ranks must still take one path (they once waited on each other)
     def t5_wide():
-        backbone = keras_hub.models.T5Backbone(
-            vocabulary_size=4000, num_layers=LAYERS, num_heads=2, hidden_dim=DIM, intermediate_dim=32, dropout=0.0
-        )
-        task = keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
+        task = t5(vocabulary=4000)
         task.compile(sampler="greedy")
         return task
 
