@@ -39,8 +39,8 @@ def test_a_piece_held_only_before_the_previous_piece_is_refused_naming_it():
     "nprocs, cases",
     [
         (2, ["each_call", "refused", "sampling", "lora", "callback", "dataset", "int8", "replicas", "seq2seq"]),
-        pytest.param(2, ["like_llama", "more_families"], marks=pytest.mark.slow),
-        pytest.param(4, ["sampling", "replicas", "seq2seq"], marks=pytest.mark.slow),
+        pytest.param(2, ["like_llama", "more_families", "seq2seq_more"], marks=pytest.mark.slow),
+        pytest.param(4, ["sampling", "replicas", "seq2seq", "seq2seq_more"], marks=pytest.mark.slow),
     ],
     ids=lambda value: str(value) if isinstance(value, int) else "-".join(value),
 )
