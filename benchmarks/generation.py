@@ -108,10 +108,10 @@ def _prompts(args, batch):
 
 
 def _timed(generate, args, base):
-    """``generate()`` once (tracing, compiling), then ``--repeats`` times: (seconds a call, peak bytes, its bytes).
+    """``generate()`` once (tracing, compiling), then ``--repeats`` times: (seconds a call, peak bytes, model bytes).
 
     The peak is this row's (reset before it: ``/proc/self/clear_refs``);
-    "its bytes" are the peak over ``base``, the resident size of the process
+    "model bytes" are the peak over ``base``, the resident size of the process
     with TensorFlow, Keras and keras_hub imported and no model made: the
     model's weights, the programs and what generating needs.
     """
@@ -126,8 +126,22 @@ def _timed(generate, args, base):
     return seconds, peak, peak - base
 
 
+def _cache_bytes(task, rows, length) -> int:
+    """The whole key/value cache of ``rows`` rows, as the generator lays it out (every decoder layer; a
+    ``*Seq2SeqLM``'s also keeps a cross-attention cache a layer, as long as the encoder's prompts, here ``length``)."""
+    from keras_pipe.model.causal_lms import Seq2SeqFamily, family_of
+    from keras_pipe.model.generation import decoder_layers
+    from keras_pipe.model.transfer import numpy_dtype
+
+    family = family_of(task)
+    heads, size = family.cache_heads(task.backbone)
+    caches = 2 if isinstance(family, Seq2SeqFamily) else 1
+    layers = len(decoder_layers(task.backbone, family))
+    return caches * layers * rows * 2 * length * heads * size * numpy_dtype(task.compute_dtype).itemsize
+
+
 def worker(args) -> None:
-    """One job: the unsplit model (``--groups`` empty) or the pipeline with each number of groups; prints JSON."""
+    """One job: the unsplit model or the pipeline with each number of groups; prints JSON rows."""
     _threads(args)
     import keras_hub  # noqa: F401  (imported before the resident size without a model is read)
 
@@ -137,8 +151,10 @@ def worker(args) -> None:
     x, tokens = _prompts(args, args.batch)
     if args.worker == "unsplit":
         task = _model(args)
-        seconds, peak, growth = _timed(lambda: task.generate(dict(x), stop_token_ids=None), args, base)
-        print("RESULT " + json.dumps([dict(groups=0, seconds=seconds, tokens=tokens, peaks=[peak], growths=[growth])]))
+        seconds, peak, held = _timed(lambda: task.generate(dict(x), stop_token_ids=None), args, base)
+        cache = _cache_bytes(task, args.batch, args.length)
+        row = dict(groups=0, seconds=seconds, tokens=tokens, peaks=[peak], models=[held], rows=args.batch, cache=cache)
+        print("RESULT " + json.dumps([row]))
         return
     from mpi4py import MPI
 
@@ -152,13 +168,13 @@ def worker(args) -> None:
     if model.num_stages > 1:  # (P groups each of the one group's size)
         runs.append((model.num_stages, *_prompts(args, args.batch * model.num_stages)))
     for groups, prompts, count in runs:
-        seconds, peak, growth = _timed(
+        seconds, peak, held = _timed(
             lambda g=groups, p=prompts: model.generate(dict(p), stop_token_ids=None, num_groups=g), args, base
         )
         peaks = MPI.COMM_WORLD.allgather(peak)
-        growths = MPI.COMM_WORLD.allgather(growth)
+        models = MPI.COMM_WORLD.allgather(held)
         size = len(next(iter(prompts.values())))
-        rows.append(dict(groups=groups, seconds=seconds, tokens=count, peaks=peaks, growths=growths, rows=size))
+        rows.append(dict(groups=groups, seconds=seconds, tokens=count, peaks=peaks, models=models, rows=size))
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("RESULT " + json.dumps(rows))
 
@@ -200,8 +216,8 @@ def main() -> None:
         _table(args, [*shape, f"--threads-now={threads}"], threads)
 
 
-def _share(growth, unsplit, ranks) -> str:
-    return f"{growth / (unsplit / ranks):.2f}" if unsplit > MIB else "-"
+def _share(held, unsplit, ranks) -> str:
+    return f"{held / (unsplit / ranks):.2f}" if unsplit > MIB else "-"
 
 
 def _table(args, shape, threads) -> None:
@@ -217,27 +233,22 @@ def _table(args, shape, threads) -> None:
             kind = "pipeline" if replicas == 1 else f"{ranks // replicas}x{replicas}"
             table += [(kind, ranks, row) for row in _run(command, args.timeout)]
     name = "T5 (each stack)" if args.model == "t5" else "Llama"
-    heads, size = (
-        (8, args.hidden // 8) if args.model == "t5" else (2, args.hidden // (4 if args.hidden % 4 == 0 else 2))
-    )
-    caches = 2 if args.model == "t5" else 1  # (T5's decoder layers keep a self- and a cross-attention cache)
-    cache = caches * args.layers * args.batch * 2 * args.length * heads * size * 4
+    unsplit = table[0][2]
     print(
         f"\n{name} {args.layers} layers x {args.hidden}, vocabulary {args.vocabulary}, batch {args.batch}, length "
         f"{args.length}; {args.repeats} timed calls; threads a process: {threads or 'default (every core)'}; "
-        f"the whole key/value cache of {args.batch} rows: {cache / MIB:.1f} MiB"
+        f"the whole key/value cache of {args.batch} rows: {unsplit['cache'] / MIB:.1f} MiB"
     )
     print(f"{'model':9} {'ranks':>5} {'groups':>6} {'rows':>5} {'tokens/s':>9}  peak MiB per rank (model, share)")
     print("(a model 'SxR': R replicas of S stages, each generating its share of the batch; model: the peak over the")
     print(" process before its model was made; share: that over the unsplit process's / ranks)")
-    unsplit = table[0][2]["growths"][0]
     for kind, ranks, row in table:
         memory = "  ".join(
-            f"{p / MIB:.0f} ({g / MIB:+.0f}, {_share(g, unsplit, ranks)})" for p, g in zip(row["peaks"], row["growths"])
+            f"{p / MIB:.0f} ({m / MIB:+.0f}, {_share(m, unsplit['models'][0], ranks)})"
+            for p, m in zip(row["peaks"], row["models"])
         )
         groups = "-" if kind == "unsplit" else row["groups"]
-        rows = row.get("rows", args.batch)
-        print(f"{kind:9} {ranks:>5} {groups:>6} {rows:>5} {row['tokens'] / row['seconds']:>9.1f}  {memory}")
+        print(f"{kind:9} {ranks:>5} {groups:>6} {row['rows']:>5} {row['tokens'] / row['seconds']:>9.1f}  {memory}")
 
 
 if __name__ == "__main__":
